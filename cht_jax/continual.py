@@ -1,0 +1,128 @@
+"""The continual step: theta_t = HT(S(t), theta_{t-1}), prototypes, and the loss of Algorithm 1.
+
+One `jax.lax.scan` over the T tasks threads theta_t through the
+HyperTransformer and returns every theta_t together with the prototypes of its
+task, computed once with theta_t and frozen (eq. 4). The loss then needs the
+queries of every task tau <= t embedded with theta_t: T(T+1)/2 query passes,
+run as one vmapped pass over the (t, tau) pairs rather than inside the scan
+(where fixed shapes would force T^2 passes, half of them masked away).
+
+Everything here is for one episode; vmap over a batch of episodes.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cht_jax import losses
+from cht_jax.models import hypertransformer as ht_lib
+
+Episode = dict[str, jax.Array]  # support_images [T, S, H, W, C], support_labels [T, S],
+                                # query_images [T, Q, H, W, C], query_labels [T, Q]
+
+
+class TaskPairs(NamedTuple):
+  """All (t, tau) with tau <= t, t-major: t = [0, 1, 1, 2, 2, 2, ...]."""
+  t: np.ndarray
+  tau: np.ndarray
+
+  @classmethod
+  def lower_triangle(cls, num_tasks: int) -> 'TaskPairs':
+    t, tau = np.tril_indices(num_tasks)
+    return cls(t.astype(np.int32), tau.astype(np.int32))
+
+
+def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
+                    support_images: jax.Array, support_labels: jax.Array,
+                    theta_init: Any = None, remat: bool = True):
+  """Runs the HyperTransformer over the tasks of one episode.
+
+  Args:
+    ht, ht_params: the weight generator and its parameters.
+    support_images: [T, S, H, W, C]; support_labels: [T, S] in 0..K-1.
+    theta_init: theta_{-1}; None for zeros (the first task is plain HT).
+    remat: rematerialise each task's generation in the backward pass, so
+      memory does not grow with every intermediate of every task.
+
+  Returns:
+    thetas: theta_0..theta_{T-1}, each leaf stacked on a leading T axis.
+    prototypes: [T, K, D]; row t is computed with theta_t from S(t).
+  """
+  cnn = ht.cnn
+  if theta_init is None:
+    theta_init = ht_lib.zeros_theta(cnn, support_images.shape[2:])
+
+  def task_step(theta_prev, task):
+    images, labels = task
+    theta = ht.apply({'params': ht_params}, images, labels, theta_prev)
+    embeddings = cnn.apply({'params': theta}, images)
+    return theta, (theta, losses.class_prototypes(embeddings, labels, ht.num_ways))
+
+  if remat:
+    task_step = jax.checkpoint(task_step)
+  _, (thetas, prototypes) = jax.lax.scan(
+      task_step, theta_init, (support_images, support_labels))
+  return thetas, prototypes
+
+
+def embed_queries(ht: ht_lib.HyperTransformer, thetas: Any, query_images: jax.Array,
+                  pairs: TaskPairs, remat: bool = True) -> jax.Array:
+  """Embeds Q(tau) with theta_t for every pair: [T, Q, H, W, C] -> [P, Q, D].
+
+  Each query set is a batch of its own, so BatchNorm sees the statistics of
+  Q(tau) alone, as in a plain loop over the pairs.
+  """
+  apply = lambda theta, images: ht.cnn.apply({'params': theta}, images)
+  if remat:
+    apply = jax.checkpoint(apply)
+  pair_thetas = jax.tree.map(lambda leaf: leaf[pairs.t], thetas)
+  return jax.vmap(apply)(pair_thetas, query_images[pairs.tau])
+
+
+def pair_losses(loss: str, query_embeddings: jax.Array, query_labels: jax.Array,
+                prototypes: jax.Array, pairs: TaskPairs):
+  """Cross-entropy and accuracy of every (t, tau) pair.
+
+  Args:
+    loss: one of `losses.LOSSES`.
+    query_embeddings: [P, Q, D] from `embed_queries`.
+    query_labels: [T, Q].
+    prototypes: [T, K, D].
+
+  Returns:
+    (cross_entropy [P], accuracy [P]), each the mean over the Q queries.
+  """
+  def one_pair(embeddings, t, tau):
+    logits, offset = losses.pair_logits(loss, embeddings, prototypes, t, tau)
+    return losses.cross_entropy_and_accuracy(logits, query_labels[tau] + offset)
+
+  return jax.vmap(one_pair)(query_embeddings, pairs.t, pairs.tau)
+
+
+def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
+                 loss: str = 'class_incremental', remat: bool = True):
+  """Algorithm 1 for one episode: sum over t of sum over tau <= t of L(Q(tau); theta_t).
+
+  Each term is the mean over the queries of Q(tau) (as the original HT's
+  cross-entropy); the sum over (t, tau) is as in eq. 2-3.
+
+  Returns:
+    (loss, metrics) with metrics 'accuracy' (mean over all pairs) and
+    'final_accuracy' (theta_{T-1} on the queries of all T tasks).
+  """
+  num_tasks = episode['support_images'].shape[0]
+  pairs = TaskPairs.lower_triangle(num_tasks)
+  thetas, prototypes = generate_thetas(
+      ht, ht_params, episode['support_images'], episode['support_labels'], remat=remat)
+  embeddings = embed_queries(ht, thetas, episode['query_images'], pairs, remat=remat)
+  cross_entropy, accuracy = pair_losses(
+      loss, embeddings, episode['query_labels'], prototypes, pairs)
+  final = pairs.t == num_tasks - 1
+  metrics = {
+      'loss': jnp.sum(cross_entropy),
+      'accuracy': jnp.mean(accuracy),
+      'final_accuracy': jnp.mean(accuracy[final]),
+  }
+  return metrics['loss'], metrics

@@ -1,0 +1,158 @@
+"""The generated CNN: HT's `maxpool-4-layer` network (DESIGN.md 1.2).
+
+Four blocks of 3x3 conv (stride 1, `same`, no bias) -> ReLU -> 2x2 max-pool ->
+BatchNorm on the statistics of the batch it is applied to, then flatten (NHWC)
+and a dense embedding layer.
+
+The same `CNN` module serves two ways of filling it: the HyperTransformer emits
+a pytree with exactly the structure of its `params` (so a generated network
+runs as `cnn.apply({'params': theta}, images)`), and ConstPN trains it as an
+ordinary network. The pure functions below hold the math once; both the module
+and the weight generator (which pushes the support batch through each freshly
+generated block) call them.
+
+Parameter pytree (`theta`), for `channels=(8, 8, 8, 8)`, 28x28x1 inputs:
+  block_0/kernel [3, 3, 1, 8] ... block_3/kernel [3, 3, 8, 8]   (generated)
+  block_i/scale [8], block_i/bias [8]    (BatchNorm; trained and shared by default)
+  head/kernel [8, 20], head/bias [20]    (generated)
+"""
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# TF's BatchNormalization default, as used by the original HT code.
+BATCH_NORM_EPSILON = 1e-3
+CONV_IMPLS = ('patches', 'lax')
+
+
+def conv2d_same(x: jax.Array, kernel: jax.Array, impl: str = 'patches') -> jax.Array:
+  """Stride-1 `same` convolution without bias.
+
+  Args:
+    x: [N, H, W, C_in].
+    kernel: [k, k, C_in, C_out].
+    impl: 'patches' gathers the k*k shifted copies of `x` and runs one matrix
+      product; 'lax' calls `lax.conv_general_dilated`. Both give the same
+      numbers. When the kernel is generated per episode and the call is
+      vmapped over episodes, 'lax' becomes a grouped convolution (slow on
+      XLA:CPU) while 'patches' becomes a batched matrix product.
+
+  Returns:
+    [N, H, W, C_out].
+  """
+  if impl == 'lax':
+    return jax.lax.conv_general_dilated(
+        x, kernel, window_strides=(1, 1), padding='SAME',
+        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+  if impl != 'patches':
+    raise ValueError(f'Unknown conv_impl {impl!r}; expected one of {CONV_IMPLS}.')
+  kh, kw, c_in, c_out = kernel.shape
+  _, h, w, _ = x.shape
+  # `same` padding for stride 1 puts the extra row/column (even kernels) last.
+  pad_h, pad_w = kh - 1, kw - 1
+  padded = jnp.pad(x, ((0, 0), (pad_h // 2, pad_h - pad_h // 2),
+                       (pad_w // 2, pad_w - pad_w // 2), (0, 0)))
+  # Patch features in (kh, kw, c_in) order, matching kernel.reshape(-1, c_out).
+  patches = jnp.concatenate(
+      [padded[:, i:i + h, j:j + w, :] for i in range(kh) for j in range(kw)],
+      axis=-1)
+  return patches @ kernel.reshape(kh * kw * c_in, c_out)
+
+
+def max_pool_2x2(x: jax.Array) -> jax.Array:
+  """2x2 max-pool, stride 2, `valid` padding: [N, H, W, C] -> [N, H//2, W//2, C]."""
+  return nn.max_pool(x, window_shape=(2, 2), strides=(2, 2), padding='VALID')
+
+
+def batch_stat_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
+  """BatchNorm with the statistics of `x` itself (no running averages).
+
+  Args:
+    x: [N, H, W, C]; mean and variance are taken over N, H, W.
+    scale, bias: [C].
+  """
+  mean = jnp.mean(x, axis=(0, 1, 2))
+  var = jnp.mean(jnp.square(x - mean), axis=(0, 1, 2))
+  return (x - mean) * jax.lax.rsqrt(var + BATCH_NORM_EPSILON) * scale + bias
+
+
+def conv_block(x: jax.Array, block: dict, conv_impl: str) -> jax.Array:
+  """conv -> ReLU -> max-pool -> BatchNorm: [N, H, W, C_in] -> [N, H//2, W//2, C_out].
+
+  `block` holds 'kernel' [k, k, C_in, C_out], 'scale' and 'bias' [C_out].
+  """
+  x = jax.nn.relu(conv2d_same(x, block['kernel'], conv_impl))
+  return batch_stat_norm(max_pool_2x2(x), block['scale'], block['bias'])
+
+
+def dense_head(x: jax.Array, head: dict) -> jax.Array:
+  """Flattens [N, H, W, C] (NHWC order) and applies the final dense layer."""
+  return x.reshape(x.shape[0], -1) @ head['kernel'] + head['bias']
+
+
+def feature_map_sizes(image_size: int, num_blocks: int) -> list[int]:
+  """Spatial size entering each block and after the last: 28 -> [28, 14, 7, 3, 1]."""
+  sizes = [image_size]
+  for _ in range(num_blocks):
+    sizes.append(sizes[-1] // 2)
+  return sizes
+
+
+class ConvBlock(nn.Module):
+  """Parameter holder for one conv block; the math is `conv_block`."""
+  features: int
+  kernel_size: int
+  conv_impl: str
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    k = self.kernel_size
+    block = {
+        'kernel': self.param('kernel', nn.initializers.glorot_uniform(),
+                             (k, k, x.shape[-1], self.features)),
+        'scale': self.param('scale', nn.initializers.ones, (self.features,)),
+        'bias': self.param('bias', nn.initializers.zeros, (self.features,)),
+    }
+    return conv_block(x, block, self.conv_impl)
+
+
+class Head(nn.Module):
+  """Parameter holder for the final dense layer; the math is `dense_head`."""
+  features: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    in_dim = x.shape[1] * x.shape[2] * x.shape[3]
+    head = {
+        'kernel': self.param('kernel', nn.initializers.glorot_uniform(),
+                             (in_dim, self.features)),
+        'bias': self.param('bias', nn.initializers.zeros, (self.features,)),
+    }
+    return dense_head(x, head)
+
+
+class CNN(nn.Module):
+  """The embedding network whose weights the HyperTransformer generates.
+
+  Attributes:
+    channels: output channels of each conv block.
+    embedding_dim: width of the final dense layer (an embedding for the
+      prototypical loss, K logits for cross-entropy).
+    conv_impl: see `conv2d_same`.
+    kernel_size: conv kernel size (3 in the paper).
+  """
+  channels: Sequence[int] = (8, 8, 8, 8)
+  embedding_dim: int = 20
+  conv_impl: str = 'patches'
+  kernel_size: int = 3
+
+  @nn.compact
+  def __call__(self, images: jax.Array) -> jax.Array:
+    """[N, H, W, C] images -> [N, embedding_dim] embeddings."""
+    x = images
+    for i, c_out in enumerate(self.channels):
+      x = ConvBlock(c_out, self.kernel_size, self.conv_impl, name=f'block_{i}')(x)
+    return Head(self.embedding_dim, name='head')(x)

@@ -1,0 +1,79 @@
+"""Feature extractors that turn support samples into transformer tokens (DESIGN.md 1.3)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class ImageFeatureExtractor(nn.Module):
+  """Shared by all generated layers; runs once on the raw support images.
+
+  4 convs 3x3, `same` padding, stride 2 except the last (stride 1), ReLU after
+  each, then a global spatial mean: [N, H, W, C] -> [N, features].
+  """
+  features: int = 32
+  num_layers: int = 4
+  kernel_size: int = 3
+
+  @nn.compact
+  def __call__(self, images: jax.Array) -> jax.Array:
+    x = images
+    for i in range(self.num_layers):
+      stride = 2 if i < self.num_layers - 1 else 1
+      x = nn.Conv(self.features, (self.kernel_size, self.kernel_size),
+                  strides=(stride, stride), padding='SAME',
+                  kernel_init=nn.initializers.glorot_uniform(),
+                  name=f'conv_{i}')(x)
+      x = jax.nn.relu(x)
+    return jnp.mean(x, axis=(1, 2))
+
+
+def activation_conv_plan(input_size: int, num_layers: int, kernel_size: int = 3):
+  """(kernel, stride) of each conv the activation extractor applies to a map.
+
+  As in the original HT code: where the map is smaller than the kernel, the
+  kernel shrinks to the map's size and the stride becomes 1; the convs use
+  stride 2 except the last, and a conv is skipped once the map has become
+  smaller than the kernel.
+  """
+  if input_size < kernel_size:
+    kernel_size, default_stride = input_size, 1
+  else:
+    default_stride = 2
+  plan, size = [], input_size
+  for i in range(num_layers):
+    if size < kernel_size:
+      break
+    stride = default_stride if i < num_layers - 1 else 1
+    plan.append((kernel_size, stride))
+    size = (size - kernel_size) // stride + 1
+  return plan
+
+
+class ActivationFeatureExtractor(nn.Module):
+  """Per-layer features of the activations entering a generated layer.
+
+  `valid` convs (see `activation_conv_plan`) with ReLU between them; each conv's
+  pre-ReLU output is averaged over space and the averages are concatenated:
+  [N, H, W, C] -> [N, features * number of convs applied].
+  """
+  features: int = 8
+  num_layers: int = 2
+  kernel_size: int = 3
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    outputs = []
+    for i, (k, stride) in enumerate(
+        activation_conv_plan(x.shape[1], self.num_layers, self.kernel_size)):
+      x = nn.Conv(self.features, (k, k), strides=(stride, stride),
+                  padding='VALID', kernel_init=nn.initializers.glorot_uniform(),
+                  name=f'conv_{i}')(x)
+      outputs.append(jnp.mean(x, axis=(1, 2)))
+      x = jax.nn.relu(x)
+    return jnp.concatenate(outputs, axis=-1)
+
+  @staticmethod
+  def output_dim(input_size: int, features: int, num_layers: int,
+                 kernel_size: int = 3) -> int:
+    return features * len(activation_conv_plan(input_size, num_layers, kernel_size))

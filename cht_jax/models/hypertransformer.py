@@ -1,0 +1,166 @@
+"""Layer-by-layer weight generation: support set (+ theta_{t-1}) in, CNN weights out.
+
+DESIGN.md 1.3. Each generated layer has its own activation feature extractor,
+label and weight embeddings and transformer; only the image feature extractor
+is shared. Layer l reads the support activations that come out of the layers
+generated before it; once its weights exist the support batch is pushed
+through it to feed layer l+1.
+
+Tokens of layer l (width E = max(emb + block, emb + features)):
+  weight token i:  [weight_embedding(i) | slice i of theta_{t-1} | 0 ...]
+  support token:   [label_embedding(y) | activation features | image features | 0 ...]
+Weight tokens first, then support tokens. The output at weight token i, from
+position `embedding_dim` on, is slice i of the new layer ("per output channel"
+allocation: one token per output channel of a conv, per output unit of the
+dense head).
+
+With theta_{t-1} = 0 the weight tokens are those of the original HT, so one
+module serves HT (T = 1) and CHT. Putting the slice of theta_{t-1} where HT puts
+zeros is our reading of the paper (the CHT code is unpublished).
+"""
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from cht_jax.models import cnn as cnn_lib
+from cht_jax.models import features as features_lib
+from cht_jax.models import transformer as transformer_lib
+
+Theta = Any  # The `params` pytree of `cnn_lib.CNN`.
+
+
+def block_to_slices(block: dict, generate_bn: bool) -> jax.Array:
+  """Conv block params -> [C_out, k*k*C_in (+2)] rows read in (kh, kw, c_in) order."""
+  kernel = block['kernel']
+  rows = kernel.reshape(-1, kernel.shape[-1]).T
+  if generate_bn:
+    rows = jnp.concatenate([rows, block['scale'][:, None], block['bias'][:, None]], axis=1)
+  return rows
+
+
+def slices_to_block(rows: jax.Array, kernel_shape: Sequence[int], generate_bn: bool) -> dict:
+  """Inverse of `block_to_slices` for the generated leaves of a conv block."""
+  kh, kw, c_in, c_out = kernel_shape
+  size = kh * kw * c_in
+  block = {'kernel': rows[:, :size].T.reshape(kh, kw, c_in, c_out)}
+  if generate_bn:
+    block['scale'] = rows[:, size]
+    block['bias'] = rows[:, size + 1]
+  return block
+
+
+def head_to_slices(head: dict) -> jax.Array:
+  """Dense head -> [D_out, D_in + 1] rows: a kernel column, then its bias."""
+  return jnp.concatenate([head['kernel'].T, head['bias'][:, None]], axis=1)
+
+
+def slices_to_head(rows: jax.Array) -> dict:
+  return {'kernel': rows[:, :-1].T, 'bias': rows[:, -1]}
+
+
+class HyperTransformer(nn.Module):
+  """Generates the weights of `cnn_lib.CNN` for one task.
+
+  Attributes:
+    num_ways: K, classes per task (K + 1 label embeddings, the last unlabeled).
+    channels, cnn_embedding_dim, kernel_size, conv_impl: the generated CNN.
+    embedding_dim: width of label and weight embeddings (32 in the paper).
+    image_features: width of the shared image feature extractor.
+    activation_features: filters of each per-layer activation extractor
+      (None: the CNN's width, as in HT).
+    num_layers, num_heads, *_fraction, activation: each layer's transformer.
+    generate_bn: generate BatchNorm scale/offset (2 numbers more per conv
+      token) instead of training them as shared parameters.
+  """
+  num_ways: int
+  channels: Sequence[int] = (8, 8, 8, 8)
+  cnn_embedding_dim: int = 20
+  kernel_size: int = 3
+  conv_impl: str = 'patches'
+  embedding_dim: int = 32
+  image_features: int = 32
+  activation_features: int | None = None
+  num_layers: int = 3
+  num_heads: int = 2
+  query_key_fraction: float = 1.0
+  value_fraction: float = 1.0
+  inner_fraction: float = 1.0
+  activation: str = 'relu'
+  generate_bn: bool = False
+
+  @property
+  def cnn(self) -> cnn_lib.CNN:
+    return cnn_lib.CNN(channels=tuple(self.channels),
+                       embedding_dim=self.cnn_embedding_dim,
+                       conv_impl=self.conv_impl, kernel_size=self.kernel_size)
+
+  def _generate_layer(self, name: str, activations, image_features, labels,
+                      prev_slices, num_extractor_convs: int):
+    """Runs layer `name`'s transformer; returns its [tokens, block] slices."""
+    num_tokens, block_size = prev_slices.shape
+    act_features = features_lib.ActivationFeatureExtractor(
+        features=self.activation_features or max(self.channels),
+        num_layers=num_extractor_convs, kernel_size=self.kernel_size,
+        name=f'{name}_activation_features')(activations)
+    sample_features = jnp.concatenate([act_features, image_features], axis=-1)
+    emb = self.embedding_dim
+    width = max(emb + block_size, emb + sample_features.shape[-1])
+
+    label_embedding = self.param(f'{name}_label_embedding', nn.initializers.normal(1.0),
+                                 (self.num_ways + 1, emb))
+    weight_embedding = self.param(f'{name}_weight_embedding', nn.initializers.normal(1.0),
+                                  (num_tokens, emb))
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, width - x.shape[-1])))
+    weight_tokens = pad(jnp.concatenate([weight_embedding, prev_slices], axis=-1))
+    support_tokens = pad(jnp.concatenate([label_embedding[labels], sample_features], axis=-1))
+    tokens = jnp.concatenate([weight_tokens, support_tokens], axis=0)
+    outputs = transformer_lib.Encoder(
+        num_layers=self.num_layers, num_heads=self.num_heads,
+        query_key_fraction=self.query_key_fraction,
+        value_fraction=self.value_fraction, inner_fraction=self.inner_fraction,
+        activation=self.activation, name=f'{name}_transformer')(tokens)
+    return outputs[:num_tokens, emb:emb + block_size]
+
+  @nn.compact
+  def __call__(self, support_images: jax.Array, support_labels: jax.Array,
+               theta_prev: Theta) -> Theta:
+    """Generates theta_t from S(t) and theta_{t-1}.
+
+    Args:
+      support_images: [S, H, W, C] float32.
+      support_labels: [S] int32 in 0..num_ways-1.
+      theta_prev: theta_{t-1}, the CNN's params pytree (zeros for t = 0).
+
+    Returns:
+      theta_t, with the structure of `self.cnn`'s params.
+    """
+    image_features = features_lib.ImageFeatureExtractor(
+        features=self.image_features, kernel_size=self.kernel_size,
+        name='image_features')(support_images)
+    theta, x = {}, support_images
+    for i, c_out in enumerate(self.channels):
+      name = f'block_{i}'
+      kernel_shape = (self.kernel_size, self.kernel_size, x.shape[-1], c_out)
+      rows = self._generate_layer(
+          name, x, image_features, support_labels,
+          block_to_slices(theta_prev[name], self.generate_bn), num_extractor_convs=2)
+      block = slices_to_block(rows, kernel_shape, self.generate_bn)
+      if not self.generate_bn:
+        block['scale'] = self.param(f'{name}_scale', nn.initializers.ones, (c_out,))
+        block['bias'] = self.param(f'{name}_bias', nn.initializers.zeros, (c_out,))
+      theta[name] = block
+      x = cnn_lib.conv_block(x, block, self.conv_impl)
+    rows = self._generate_layer('head', x, image_features, support_labels,
+                                head_to_slices(theta_prev['head']), num_extractor_convs=1)
+    theta['head'] = slices_to_head(rows)
+    return theta
+
+
+def zeros_theta(cnn: cnn_lib.CNN, image_shape: Sequence[int]) -> Theta:
+  """theta_{-1}: zeros with the structure of `cnn`'s params for [H, W, C] images."""
+  shapes = jax.eval_shape(cnn.init, jax.random.key(0), jnp.zeros((1, *image_shape)))
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes['params'])
+

@@ -1,0 +1,91 @@
+"""The HyperTransformer's encoder, as in the original HT code (DESIGN.md 1.3).
+
+Post-LayerNorm: x = LN(x + MHA(x)); x = LN(x + FFN(x)), LN epsilon 1e-6.
+Biases on the q, k, v and output projections; softmax attention scaled by
+sqrt(per-head depth); no positional encoding (tokens form a set).
+"""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+ACTIVATIONS = {
+    'relu': jax.nn.relu,
+    'gelu': jax.nn.gelu,
+    'leaky_relu': lambda x: jax.nn.leaky_relu(x, negative_slope=0.1),
+}
+LAYER_NORM_EPSILON = 1e-6
+
+
+def width_from_fraction(model_width: int, fraction: float, num_heads: int) -> int:
+  """E * fraction rounded up to a multiple of `num_heads` (as in HT)."""
+  dim = int(model_width * fraction)
+  return math.ceil(dim / num_heads) * num_heads
+
+
+def _dense(features: int, name: str) -> nn.Dense:
+  return nn.Dense(features, kernel_init=nn.initializers.glorot_uniform(), name=name)
+
+
+class MultiHeadSelfAttention(nn.Module):
+  """[L, E] -> [L, E] multi-head self-attention over an unordered token set."""
+  num_heads: int
+  query_key_dim: int
+  value_dim: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    length, width = x.shape
+    h = self.num_heads
+    q = _dense(self.query_key_dim, 'query')(x).reshape(length, h, -1)
+    k = _dense(self.query_key_dim, 'key')(x).reshape(length, h, -1)
+    v = _dense(self.value_dim, 'value')(x).reshape(length, h, -1)
+    logits = jnp.einsum('qhd,khd->hqk', q, k) / math.sqrt(q.shape[-1])
+    attended = jnp.einsum('hqk,khd->qhd', jax.nn.softmax(logits, axis=-1), v)
+    return _dense(width, 'output')(attended.reshape(length, -1))
+
+
+class EncoderLayer(nn.Module):
+  num_heads: int
+  query_key_dim: int
+  value_dim: int
+  inner_dim: int
+  activation: str = 'relu'
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    attended = MultiHeadSelfAttention(
+        self.num_heads, self.query_key_dim, self.value_dim, name='attention')(x)
+    x = nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, name='attention_norm')(x + attended)
+    y = ACTIVATIONS[self.activation](_dense(self.inner_dim, 'ffn_inner')(x))
+    y = _dense(x.shape[-1], 'ffn_output')(y)
+    return nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, name='ffn_norm')(x + y)
+
+
+class Encoder(nn.Module):
+  """A stack of post-LN encoder layers; widths given as fractions of E.
+
+  Input and output: [L, E] tokens of one task (vmap for batches).
+  """
+  num_layers: int = 3
+  num_heads: int = 2
+  query_key_fraction: float = 1.0
+  value_fraction: float = 1.0
+  inner_fraction: float = 1.0
+  activation: str = 'relu'
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    width = tokens.shape[-1]
+    dims = {
+        'query_key_dim': width_from_fraction(width, self.query_key_fraction, self.num_heads),
+        'value_dim': width_from_fraction(width, self.value_fraction, self.num_heads),
+        'inner_dim': width_from_fraction(width, self.inner_fraction, self.num_heads),
+    }
+    x = tokens
+    for i in range(self.num_layers):
+      x = EncoderLayer(self.num_heads, activation=self.activation,
+                       name=f'layer_{i}', **dims)(x)
+    return x

@@ -1,0 +1,106 @@
+"""Shared settings of the Omniglot experiments (DESIGN.md 1.2-1.5).
+
+Not a config file itself: `omniglot_t{1..5}.py` call `get_config` with their
+number of tasks and learning rate. Variants, chosen with the config file's
+argument (`--config=configs/omniglot_t5.py:smoke`):
+  (none)  the paper's settings: 20-way 1-shot, 8 channels, 20-dim embedding,
+          3-layer 2-head transformers, embedding_dim 32, SGD with exponential
+          decay, 4M steps.
+  smoke   the same model on real Omniglot for a few CPU minutes: Adam 1e-3
+          (the paper's SGD diverges or crawls from the large initial
+          distances; see README), a few hundred steps, frequent checkpoints.
+  tiny    a very small model and episodes for tests and debugging.
+"""
+
+import ml_collections
+
+VARIANTS = ('', 'smoke', 'tiny')
+
+
+def get_config(num_tasks: int, learning_rate: float, variant: str | None = None):
+  """Builds the config of the Omniglot T=`num_tasks` experiment."""
+  variant = variant or ''
+  if variant not in VARIANTS:
+    raise ValueError(f'Unknown config variant {variant!r}; expected one of {VARIANTS}.')
+  config = ml_collections.ConfigDict()
+  # One seed reaches every random choice: parameter init, episode sampling,
+  # augmentation (the class split has its own, fixed by the protocol).
+  config.seed = 0
+
+  config.data = ml_collections.ConfigDict()
+  config.data.dataset = 'omniglot'
+  config.data.data_dir = ''  # TFDS data dir; '' = TFDS default (~/tensorflow_datasets).
+  config.data.manual_dir = ''  # Folder with the four Omniglot archives ('' = <data_dir>/downloads/manual).
+  config.data.split_scheme = 'ht'  # 'ht' (1150/50/423 shuffled classes) or 'alphabet'.
+  config.data.split_seed = 2022
+  config.data.image_size = 28
+  config.data.rotate = True  # Per-class rotation by multiples of 90 degrees in training.
+
+  config.episode = ml_collections.ConfigDict()
+  config.episode.num_tasks = num_tasks
+  config.episode.ways = 20
+  config.episode.shots = 1
+  config.episode.queries_per_class = 3  # 60 queries per 20-way task, as the original HT.
+  config.episode.task_classes = 'disjoint'  # or 'same' (mini-batch setting).
+
+  config.model = ml_collections.ConfigDict()
+  config.model.channels = 8
+  config.model.num_blocks = 4
+  config.model.cnn_embedding_dim = 20
+  config.model.embedding_dim = 32
+  config.model.image_features = 32
+  config.model.activation_features = config.model.get_ref('channels')
+  config.model.num_layers = 3
+  config.model.num_heads = 2
+  config.model.query_key_fraction = 1.0
+  config.model.value_fraction = 1.0
+  config.model.inner_fraction = 1.0
+  config.model.activation = 'relu'
+  config.model.generate_bn = False
+  config.model.conv_impl = 'patches'  # or 'lax'; same numbers, see models/cnn.py.
+  config.model.remat = True
+
+  config.loss = 'class_incremental'  # or 'task_incremental', 'cross_entropy'.
+
+  config.optim = ml_collections.ConfigDict()
+  config.optim.name = 'sgd'  # or 'adam', 'momentum'.
+  config.optim.learning_rate = learning_rate
+  config.optim.decay_rate = 0.97  # Exponential decay (staircase) ...
+  config.optim.decay_steps = 100_000  # ... every this many steps.
+  config.optim.momentum = 0.9  # Only for 'momentum'.
+  config.optim.grad_clip_norm = 0.0  # 0 = no clipping.
+
+  config.train = ml_collections.ConfigDict()
+  config.train.num_steps = 4_000_000
+  config.train.episodes_per_step = 1
+  config.train.log_every_steps = 1000
+  config.train.checkpoint_every_steps = 10_000
+  config.train.keep_checkpoints = 3
+  config.train.eval_every_steps = 20_000  # Validation classes; 0 = never.
+  config.train.eval_episodes = 32
+
+  if variant == 'smoke':
+    config.optim.name = 'adam'
+    config.optim.learning_rate = 1e-3
+    config.train.num_steps = {1: 1500, 2: 800, 3: 500, 4: 400, 5: 300}.get(num_tasks, 300)
+    config.train.log_every_steps = 25
+    config.train.checkpoint_every_steps = config.train.num_steps // 3
+    config.train.eval_every_steps = config.train.num_steps // 3
+    config.train.eval_episodes = 8
+  elif variant == 'tiny':
+    config.episode.ways = 3
+    config.episode.queries_per_class = 2
+    config.model.channels = 4
+    config.model.cnn_embedding_dim = 6
+    config.model.embedding_dim = 8
+    config.model.image_features = 8
+    config.model.num_layers = 1
+    config.data.image_size = 16
+    config.optim.name = 'adam'
+    config.optim.learning_rate = 1e-3
+    config.train.num_steps = 4
+    config.train.log_every_steps = 2
+    config.train.checkpoint_every_steps = 2
+    config.train.eval_every_steps = 4
+    config.train.eval_episodes = 2
+  return config

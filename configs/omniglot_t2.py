@@ -1,0 +1,7 @@
+"""Omniglot, T=2 tasks of 20-way 1-shot (paper, Table 1 / Figure 3)."""
+
+from configs import omniglot_base
+
+
+def get_config(variant=None):
+  return omniglot_base.get_config(num_tasks=2, learning_rate=1e-4, variant=variant)

@@ -1,0 +1,110 @@
+"""The generated CNN and the HyperTransformer: shapes, widths, the weight layout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cht_jax.models import cnn as cnn_lib
+from cht_jax.models import features as features_lib
+from cht_jax.models import hypertransformer as ht_lib
+
+
+def test_conv_impls_agree():
+  x = jax.random.normal(jax.random.key(0), (3, 9, 9, 5))
+  kernel = jax.random.normal(jax.random.key(1), (3, 3, 5, 7))
+  np.testing.assert_allclose(cnn_lib.conv2d_same(x, kernel, 'patches'),
+                             cnn_lib.conv2d_same(x, kernel, 'lax'), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_stat_norm_uses_the_batch_statistics():
+  x = 3.0 + 2.0 * jax.random.normal(jax.random.key(0), (16, 4, 4, 3))
+  y = cnn_lib.batch_stat_norm(x, jnp.ones(3), jnp.zeros(3))
+  np.testing.assert_allclose(y.mean(axis=(0, 1, 2)), 0.0, atol=1e-5)
+  np.testing.assert_allclose(y.std(axis=(0, 1, 2)), 1.0, atol=1e-3)
+
+
+def test_cnn_maps_and_params_for_omniglot():
+  cnn = cnn_lib.CNN(channels=(8, 8, 8, 8), embedding_dim=20)
+  params = cnn.init(jax.random.key(0), jnp.zeros((2, 28, 28, 1)))['params']
+  shapes = jax.tree.map(jnp.shape, params)
+  assert shapes['block_0'] == {'kernel': (3, 3, 1, 8), 'scale': (8,), 'bias': (8,)}
+  for i in (1, 2, 3):
+    assert shapes[f'block_{i}']['kernel'] == (3, 3, 8, 8)
+  assert shapes['head'] == {'kernel': (8, 20), 'bias': (20,)}  # 28->14->7->3->1.
+  assert cnn_lib.feature_map_sizes(28, 4) == [28, 14, 7, 3, 1]
+  assert cnn_lib.feature_map_sizes(84, 4) == [84, 42, 21, 10, 5]
+  assert cnn.apply({'params': params}, jnp.zeros((5, 28, 28, 1))).shape == (5, 20)
+
+
+def test_activation_conv_plan_follows_ht():
+  assert features_lib.activation_conv_plan(28, 2) == [(3, 2), (3, 1)]
+  assert features_lib.activation_conv_plan(3, 2) == [(3, 2)]  # 3 -> 1, then skipped.
+  assert features_lib.activation_conv_plan(1, 1) == [(1, 1)]  # Kernel shrinks to the map.
+
+
+@pytest.fixture(scope='module')
+def omniglot_ht():
+  ht = ht_lib.HyperTransformer(num_ways=20)  # Paper defaults: 8 channels, emb 32.
+  support = jnp.zeros((20, 28, 28, 1))
+  labels = jnp.arange(20)
+  theta_prev = ht_lib.zeros_theta(ht.cnn, (28, 28, 1))
+  params = jax.eval_shape(ht.init, jax.random.key(0), support, labels, theta_prev)['params']
+  return ht, params
+
+
+def test_token_widths_for_the_omniglot_model(omniglot_ht):
+  _, params = omniglot_ht
+  width = lambda layer: params[f'{layer}_transformer']['layer_0']['attention']['query'][
+      'kernel'].shape[0]
+  assert [width(f'block_{i}') for i in range(4)] == [80, 104, 104, 104]
+  # Head: max(32 + 8 + 1, 32 + 8 activation + 32 image features).
+  assert width('head') == 72
+  assert params['block_0_weight_embedding'].shape == (8, 32)
+  assert params['block_0_label_embedding'].shape == (21, 32)
+  assert params['head_weight_embedding'].shape == (20, 32)
+
+
+def test_generated_theta_is_exactly_the_cnn_params(omniglot_ht):
+  ht, _ = omniglot_ht
+  support = jax.random.normal(jax.random.key(0), (20, 28, 28, 1))
+  labels = jnp.arange(20)
+  theta_prev = ht_lib.zeros_theta(ht.cnn, (28, 28, 1))
+  params = ht.init(jax.random.key(1), support, labels, theta_prev)['params']
+  theta = ht.apply({'params': params}, support, labels, theta_prev)
+  cnn_params = ht.cnn.init(jax.random.key(0), support)['params']
+  assert jax.tree.structure(theta) == jax.tree.structure(cnn_params)
+  assert jax.tree.map(jnp.shape, theta) == jax.tree.map(jnp.shape, cnn_params)
+  embeddings = ht.cnn.apply({'params': theta}, support)
+  assert embeddings.shape == (20, 20) and bool(jnp.all(jnp.isfinite(embeddings)))
+
+
+@pytest.mark.parametrize('generate_bn', [False, True])
+def test_slices_round_trip(generate_bn):
+  key = jax.random.key(0)
+  block = {'kernel': jax.random.normal(key, (3, 3, 5, 7)),
+           'scale': jnp.arange(7.0), 'bias': -jnp.arange(7.0)}
+  rows = ht_lib.block_to_slices(block, generate_bn)
+  assert rows.shape == (7, 45 + 2 * generate_bn)
+  # Token i holds output channel i's kernel in (kh, kw, c_in) order.
+  np.testing.assert_array_equal(rows[2, :45], block['kernel'][..., 2].reshape(-1))
+  back = ht_lib.slices_to_block(rows, (3, 3, 5, 7), generate_bn)
+  for name, value in back.items():
+    np.testing.assert_array_equal(value, block[name])
+  head = {'kernel': jax.random.normal(key, (8, 20)), 'bias': jnp.arange(20.0)}
+  rows = ht_lib.head_to_slices(head)
+  assert rows.shape == (20, 9)
+  jax.tree.map(np.testing.assert_array_equal, ht_lib.slices_to_head(rows), head)
+
+
+def test_generated_batchnorm_option(tiny_episode):
+  ht = ht_lib.HyperTransformer(num_ways=3, channels=(4, 4, 4, 4), cnn_embedding_dim=5,
+                               embedding_dim=8, image_features=8, num_layers=1,
+                               generate_bn=True)
+  images, labels = tiny_episode['support_images'][0], tiny_episode['support_labels'][0]
+  theta_prev = ht_lib.zeros_theta(ht.cnn, images.shape[1:])
+  params = ht.init(jax.random.key(0), images, labels, theta_prev)['params']
+  assert 'block_0_scale' not in params  # Generated, not trained.
+  theta = ht.apply({'params': params}, images, labels, theta_prev)
+  assert theta['block_0']['scale'].shape == (4,)
+  assert float(jnp.std(theta['block_0']['scale'])) > 0  # Differs per channel.
