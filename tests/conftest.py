@@ -1,10 +1,19 @@
-"""Shared fixtures: a tiny HyperTransformer and random episodes for it."""
+"""Shared fixtures: a tiny HyperTransformer, random episodes, real Omniglot."""
+
+import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
 import pytest
+import tensorflow_datasets as tfds
 
+from cht_jax.data import omniglot
 from cht_jax.models import hypertransformer as ht_lib
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Read from the shared folder beside the checkout, never copied into it.
+OMNIGLOT_ARCHIVES = REPO_ROOT.parent / 'shared' / 'data' / 'omniglot'
 
 TINY = dict(num_tasks=3, ways=3, shots=2, queries=2, image_size=16)
 
@@ -39,3 +48,21 @@ def tiny_params(tiny_ht, tiny_episode):
   theta = ht_lib.zeros_theta(tiny_ht.cnn, tiny_episode['support_images'].shape[2:])
   return tiny_ht.init(jax.random.key(0), tiny_episode['support_images'][0],
                       tiny_episode['support_labels'][0], theta)['params']
+
+
+def require_archives():
+  if not OMNIGLOT_ARCHIVES.is_dir():
+    pytest.skip(f'Omniglot archives not found at {OMNIGLOT_ARCHIVES} '
+                '(../shared/data/omniglot from the repository root).')
+
+
+@pytest.fixture(scope='session')
+def prepared_omniglot(tmp_path_factory):
+  """A TFDS data_dir with omniglot prepared from the real archives (once per session)."""
+  require_archives()
+  tfds.disable_progress_bar()
+  data_dir = str(tmp_path_factory.mktemp('tfds'))
+  start = time.time()
+  omniglot.prepare_omniglot(data_dir, str(OMNIGLOT_ARCHIVES))
+  print(f'\nTFDS omniglot preparation: {time.time() - start:.1f} s')
+  return data_dir

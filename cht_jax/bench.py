@@ -1,0 +1,119 @@
+r"""Benchmark: training steps/s and episodes/s, compile time, episode sampling alone.
+
+  python -m cht_jax.bench --config=configs/omniglot_t5.py --batch_sizes=1,8,32 \
+      --output=bench.json
+
+Times the same jit-compiled `train.make_train_step` that training runs, on
+random images of the config's shape (speed does not depend on pixel values),
+and the on-device episode sampler alone, so the two can be compared. Prints a
+table and writes it as JSON.
+"""
+
+import json
+import platform
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import config_flags
+
+from cht_jax import models
+from cht_jax import train
+from cht_jax.data import episodes as episodes_lib
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file('config', None, 'A config file (see configs/).')
+flags.DEFINE_list('batch_sizes', ['1', '8', '32'], 'Episodes per step to time.')
+flags.DEFINE_integer('min_seconds', 10, 'Time each setting for at least this long.')
+flags.DEFINE_integer('num_classes', 1150, 'Classes in the fake training split.')
+flags.DEFINE_string('output', None, 'Where to write the table as JSON.')
+flags.mark_flag_as_required('config')
+
+
+def _time(fn, min_seconds: float) -> float:
+  """Seconds per call of `fn` (already compiled), over at least `min_seconds`."""
+  calls, start = 0, time.perf_counter()
+  while True:
+    jax.block_until_ready(fn())
+    calls += 1
+    elapsed = time.perf_counter() - start
+    if elapsed >= min_seconds and calls >= 3:
+      return elapsed / calls
+
+
+def matmul_gflops(min_seconds: float = 2.0) -> float:
+  """fp32 matrix-product rate of this machine, to express speeds as fractions."""
+  a = jnp.ones((1024, 1024), jnp.float32)
+  matmul = jax.jit(lambda x: x @ x)
+  jax.block_until_ready(matmul(a))
+  return 2 * 1024 ** 3 / _time(lambda: matmul(a), min_seconds) / 1e9
+
+
+def bench_config(config, batch_size: int, class_images, min_seconds: float) -> dict:
+  config = config.copy_and_resolve_references()
+  config.train.episodes_per_step = batch_size
+  ht = models.build_hypertransformer(config)
+  optimizer = train.make_optimizer(config.optim)
+  image_shape = class_images.shape[2:]
+  state = train.init_state(config, ht, optimizer, jax.random.key(0), image_shape)
+  step = train.make_train_step(config, ht, optimizer, train.data_mesh())
+  key = jax.random.key(1)
+
+  start = time.perf_counter()
+  compiled = step.lower(state, class_images, key).compile()
+  compile_seconds = time.perf_counter() - start
+
+  holder = [state]
+  def one_step():
+    holder[0], metrics = compiled(holder[0], class_images, key)
+    return metrics['loss']
+  step_seconds = _time(one_step, min_seconds)
+
+  spec = train.episode_spec(config)
+  sample = jax.jit(lambda k: episodes_lib.sample_episodes(
+      k, class_images, spec, batch_size, rotate=config.data.rotate))
+  jax.block_until_ready(sample(key))
+  sample_seconds = _time(lambda: sample(key), min_seconds / 4)
+  memory = jax.devices()[0].memory_stats() or {}
+  return {
+      'num_tasks': config.episode.num_tasks,
+      'episodes_per_step': batch_size,
+      'compile_s': compile_seconds,
+      'steps_per_s': 1 / step_seconds,
+      'episodes_per_s': batch_size / step_seconds,
+      'sampling_episodes_per_s': batch_size / sample_seconds,
+      'sampling_share_of_step': sample_seconds / step_seconds,
+      'peak_bytes': memory.get('peak_bytes_in_use'),
+  }
+
+
+def main(argv):
+  del argv
+  config = FLAGS.config
+  size = config.data.image_size
+  class_images = jnp.asarray(np.random.default_rng(0).integers(
+      0, 256, (FLAGS.num_classes, 20, size, size, 1), dtype=np.uint8))
+  gflops = matmul_gflops()
+  rows = [bench_config(config, int(b), class_images, FLAGS.min_seconds)
+          for b in FLAGS.batch_sizes]
+  header = {'device': str(jax.devices()[0].device_kind), 'platform': jax.default_backend(),
+            'num_devices': jax.device_count(), 'jax': jax.__version__,
+            'machine': platform.machine(), 'matmul_gflops': gflops}
+  print(f"device {header['device']} x{header['num_devices']} ({header['platform']}), "
+        f"JAX {header['jax']}, fp32 matmul {gflops:.0f} GFLOP/s")
+  print(f"{'T':>2} {'B':>4} {'compile s':>9} {'steps/s':>8} {'episodes/s':>10} "
+        f"{'sampling ep/s':>13} {'sampling share':>14}")
+  for r in rows:
+    print(f"{r['num_tasks']:>2} {r['episodes_per_step']:>4} {r['compile_s']:>9.1f} "
+          f"{r['steps_per_s']:>8.2f} {r['episodes_per_s']:>10.1f} "
+          f"{r['sampling_episodes_per_s']:>13.0f} {r['sampling_share_of_step']:>14.2%}")
+  if FLAGS.output:
+    with open(FLAGS.output, 'w') as f:
+      json.dump({**header, 'rows': rows}, f, indent=2)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,311 @@
+"""Tests of cht_jax.data: episode sampling, class splits, the Omniglot loader."""
+
+import os
+import random
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from cht_jax.data import episodes
+from cht_jax.data import omniglot
+
+from conftest import OMNIGLOT_ARCHIVES, require_archives
+
+# --------------------------------------------------------------------------
+# Episodes. Class c, image m is base[c] + m, with base[c] a random (so
+# rotation-asymmetric) pattern in 0..199: the content of a sampled image tells
+# its class, its image index and its rotation.
+# --------------------------------------------------------------------------
+
+NUM_CLASSES, NUM_IMAGES, SIZE = 30, 10, 8
+
+
+@pytest.fixture(scope='module')
+def bases():
+  return np.random.default_rng(0).integers(0, 200, (NUM_CLASSES, SIZE, SIZE),
+                                           dtype=np.uint8)
+
+
+@pytest.fixture(scope='module')
+def class_images(bases):
+  images = bases[:, None] + np.arange(NUM_IMAGES, dtype=np.uint8)[None, :,
+                                                                     None, None]
+  return jnp.asarray(images[..., None])  # [C, M, S, S, 1]
+
+
+def _to_uint8(x):
+  return np.round((np.asarray(x) + 1.0) * 128.0).astype(np.int64)[..., 0]
+
+
+def _identify(image, bases):
+  """(class, image index, quarter turns) of one sampled image [S, S]."""
+  unrotated = np.stack([np.rot90(image, -r) for r in range(4)])
+  diff = unrotated[:, None] - bases[None].astype(np.int64)  # [4, C, S, S]
+  offset = diff[..., :1, :1]
+  match = (diff == offset).all((-2, -1)) & (offset[..., 0, 0] >= 0) & (
+      offset[..., 0, 0] < NUM_IMAGES)
+  (r,), (c,) = np.nonzero(match)  # Exactly one match.
+  return int(c), int(offset[r, c, 0, 0]), int(r)
+
+
+def _identify_episode(ep, spec, bases):
+  """Per task, per label: list of (class, image, rotation), support first."""
+  t, k, n, q = spec[:4]
+  sup = _to_uint8(ep['support_images']).reshape(t, k, n, SIZE, SIZE)
+  qry = _to_uint8(ep['query_images']).reshape(t, k, q, SIZE, SIZE)
+  return [[[_identify(im, bases) for im in np.concatenate([sup[i, j],
+                                                            qry[i, j]])]
+           for j in range(k)] for i in range(t)]
+
+
+SPEC = episodes.EpisodeSpec(num_tasks=3, ways=4, shots=2, queries_per_class=3)
+_sample_episode = jax.jit(episodes.sample_episode, static_argnums=(2, 3))
+_sample_episodes = jax.jit(episodes.sample_episodes, static_argnums=(2, 3, 4))
+
+
+def test_episode_shapes_dtypes_labels(class_images):
+  ep = _sample_episode(jax.random.key(0), class_images, SPEC, False)
+  t, k, n, q = SPEC[:4]
+  assert ep['support_images'].shape == (t, k * n, SIZE, SIZE, 1)
+  assert ep['query_images'].shape == (t, k * q, SIZE, SIZE, 1)
+  assert ep['support_images'].dtype == ep['query_images'].dtype == jnp.float32
+  for name, per_class in (('support_labels', n), ('query_labels', q)):
+    assert ep[name].dtype == jnp.int32
+    expected = np.tile(np.repeat(np.arange(k), per_class), (t, 1))
+    np.testing.assert_array_equal(ep[name], expected)
+  assert ep['class_ids'].shape == (t, k)
+  assert ep['class_ids'].dtype == jnp.int32
+
+
+def test_disjoint_classes_and_distinct_images(class_images, bases):
+  ep = _sample_episode(jax.random.key(1), class_images, SPEC, False)
+  ids = np.asarray(ep['class_ids'])
+  assert len(set(ids.ravel())) == SPEC.num_tasks * SPEC.ways
+  for i, task in enumerate(_identify_episode(ep, SPEC, bases)):
+    for j, samples in enumerate(task):
+      assert {c for c, _, _ in samples} == {ids[i, j]}
+      assert {r for _, _, r in samples} == {0}
+      assert len({m for _, m, _ in samples}) == len(samples)  # N+Q distinct.
+
+
+def test_same_classes_mode(class_images, bases):
+  spec = SPEC._replace(task_classes='same', num_tasks=8)
+  ep = _sample_episode(jax.random.key(2), class_images, spec, False)
+  ids = np.asarray(ep['class_ids'])
+  assert (ids == ids[:1]).all() and len(set(ids[0])) == spec.ways
+  draws = set()
+  for i, task in enumerate(_identify_episode(ep, spec, bases)):
+    for j, samples in enumerate(task):
+      assert {c for c, _, _ in samples} == {ids[i, j]}
+      images = tuple(m for _, m, _ in samples)
+      assert len(set(images)) == len(images)
+      draws.add((j, images))
+  assert len(draws) > spec.ways  # New images in each task.
+
+
+def test_rotation_same_for_support_and_query_of_a_class(class_images, bases):
+  eps = _sample_episodes(jax.random.key(3), class_images, SPEC, 6,
+                                 rotate=True)
+  rotations = []
+  for b in range(6):
+    ep = jax.tree.map(lambda x, b=b: x[b], eps)
+    for i, task in enumerate(_identify_episode(ep, SPEC, bases)):
+      for j, samples in enumerate(task):
+        assert {c for c, _, _ in samples} == {int(ep['class_ids'][i, j])}
+        assert len({r for _, _, r in samples}) == 1
+        rotations.append(samples[0][2])
+  assert set(rotations) == {0, 1, 2, 3}
+
+
+def test_deterministic_in_key(class_images):
+  a = _sample_episodes(jax.random.key(4), class_images, SPEC, 6, True)
+  b = _sample_episodes(jax.random.key(4), class_images, SPEC, 6, True)
+  c = _sample_episodes(jax.random.key(5), class_images, SPEC, 6, True)
+  for name in a:
+    assert a[name].shape[0] == 6
+    np.testing.assert_array_equal(a[name], b[name])
+  assert not np.array_equal(a['class_ids'], c['class_ids'])
+  # Episodes of a batch differ.
+  assert not np.array_equal(a['class_ids'][0], a['class_ids'][1])
+
+
+def test_normalize_range():
+  x = episodes.normalize(jnp.arange(256, dtype=jnp.uint8))
+  assert x.dtype == jnp.float32
+  assert float(x.min()) == -1.0 and float(x.max()) == 127 / 128
+  np.testing.assert_allclose(x[128], 0.0)
+
+
+@pytest.mark.parametrize('spec, rotate, shape, match', [
+    (episodes.EpisodeSpec(5, 20, 1, 3), False, (50, 20, 8, 8, 1),
+     r'episode.ways \* episode.num_tasks = 20 \* 5 = 100 classes.*only 50'),
+    (episodes.EpisodeSpec(5, 60, 1, 3, 'same'), False, (50, 20, 8, 8, 1),
+     'episode.ways = 60'),
+    (episodes.EpisodeSpec(1, 5, 5, 16), False, (50, 20, 8, 8, 1),
+     r'shots \+ episode.queries_per_class = 5 \+ 16 = 21'),
+    (episodes.EpisodeSpec(1, 5, 1, 1, 'mixed'), False, (50, 20, 8, 8, 1),
+     'episode.task_classes'),
+    (episodes.EpisodeSpec(1, 0, 1, 1), False, (50, 20, 8, 8, 1),
+     'episode.ways must be >= 1'),
+    (episodes.EpisodeSpec(1, 5, 1, 1), True, (50, 20, 8, 6, 1), 'square'),
+])
+def test_spec_validation(spec, rotate, shape, match):
+  with pytest.raises(ValueError, match=match):
+    episodes.sample_episodes(jax.random.key(0), jnp.zeros(shape, jnp.uint8),
+                             spec, 2, rotate)
+
+
+def test_rejects_float_images():
+  with pytest.raises(ValueError, match='uint8'):
+    episodes.sample_episode(jax.random.key(0),
+                            jnp.zeros((10, 5, 4, 4, 1), jnp.float32),
+                            episodes.EpisodeSpec(1, 2, 1, 1), False)
+
+
+# --------------------------------------------------------------------------
+# Class splits and grouping.
+# --------------------------------------------------------------------------
+
+
+def test_ht_split():
+  splits = omniglot.class_split('ht', 2022)
+  assert [len(splits[s]) for s in omniglot.SPLITS] == [1150, 50, 423]
+  everything = np.concatenate([splits[s] for s in omniglot.SPLITS])
+  np.testing.assert_array_equal(np.sort(everything), np.arange(1623))
+  # Same as HT's `random.seed(2022); random.shuffle(...)`.
+  state = random.getstate()
+  try:
+    random.seed(2022)
+    ids = list(range(1623))
+    random.shuffle(ids)
+  finally:
+    random.setstate(state)
+  np.testing.assert_array_equal(everything, ids)
+  again = omniglot.class_split('ht', 2022)
+  for s in omniglot.SPLITS:
+    np.testing.assert_array_equal(splits[s], again[s])
+  assert not np.array_equal(omniglot.class_split('ht', 1)['train'],
+                            splits['train'])
+
+
+def test_alphabet_split():
+  splits = omniglot.class_split('alphabet')
+  np.testing.assert_array_equal(splits['train'], np.arange(914))
+  np.testing.assert_array_equal(splits['validation'], np.arange(914, 964))
+  np.testing.assert_array_equal(splits['test'], np.arange(964, 1623))
+  with pytest.raises(ValueError, match='split_scheme'):
+    omniglot.class_split('random')
+
+
+def test_class_images_from_examples():
+  labels = np.array([3, 1, 3, 1, 7, 3, 1, 7])
+  images = np.arange(8) * 10
+  with pytest.raises(omniglot.DataError, match='exactly 3'):
+    omniglot.class_images_from_examples(images, labels, 3)
+  ids, grouped = omniglot.class_images_from_examples(
+      images, labels, 3, allow_incomplete_classes=True)
+  np.testing.assert_array_equal(ids, [1, 3])
+  np.testing.assert_array_equal(grouped, [[10, 30, 60], [0, 20, 50]])
+  ids, grouped = omniglot.class_images_from_examples(images[:6],
+                                                     labels[:6] * 0, 6)
+  np.testing.assert_array_equal(ids, [0])
+  np.testing.assert_array_equal(grouped, [images[:6]])
+
+
+# --------------------------------------------------------------------------
+# The Omniglot loader.
+# --------------------------------------------------------------------------
+
+
+def test_load_omniglot_under_mock_data(tmp_path):
+  with tfds.testing.mock_data(num_examples=1000):
+    out = omniglot.load_omniglot(str(tmp_path), None, image_size=14,
+                                 images_per_class=2,
+                                 allow_incomplete_classes=True)
+    with pytest.raises(omniglot.DataError):
+      omniglot.load_omniglot(str(tmp_path), None, image_size=14)
+  for split in omniglot.SPLITS:
+    assert out[split].dtype == np.uint8
+    assert out[split].shape[1:] == (2, 14, 14, 1)
+    assert 0 < len(out[split]) <= len(omniglot.class_split()[split])
+  assert not list(tmp_path.iterdir())  # Nothing prepared or cached.
+
+
+def test_missing_archive(tmp_path):
+  manual = tmp_path / 'manual'
+  manual.mkdir()
+  (manual / 'images_background_small1.zip').write_bytes(b'x')
+  with pytest.raises(omniglot.DataError,
+                     match=r'images_background\.zip.*missing from') as e:
+    omniglot.prepare_omniglot(str(tmp_path / 'tfds'), str(manual))
+  assert 'data.manual_dir' in str(e.value)
+
+
+
+
+@pytest.mark.parametrize('name, damage', [
+    ('images_evaluation.zip', 'truncate'),  # Rebuilt: SHA256SUMS applies.
+    ('images_background_small1.zip', 'flip'),  # Upstream: TFDS's checksum.
+])
+def test_corrupt_archive_raises(tmp_path, name, damage):
+  require_archives()
+  manual = tmp_path / 'manual'
+  shutil.copytree(OMNIGLOT_ARCHIVES, manual)
+  path = manual / name
+  path.chmod(0o644)
+  data = bytearray(path.read_bytes())
+  if damage == 'truncate':
+    data = data[:len(data) // 2]
+  else:
+    data[len(data) // 2] ^= 0xFF
+  path.write_bytes(bytes(data))
+  with pytest.raises(omniglot.DataError, match=name) as e:
+    omniglot.prepare_omniglot(str(tmp_path / 'tfds'), str(manual))
+  assert str(manual) in str(e.value) and 'expected' in str(e.value)
+  assert not (tmp_path / 'tfds' / 'omniglot').exists()
+
+
+def test_real_omniglot(prepared_omniglot):
+  data_dir = prepared_omniglot
+  builder = tfds.builder('omniglot', data_dir=data_dir)
+  assert builder.is_prepared()
+  assert type(builder).__module__.startswith('tensorflow_datasets.')
+  # Prepared: no archives needed any more, no download tried.
+  omniglot.prepare_omniglot(data_dir, None)
+
+  start = time.time()
+  out = omniglot.load_omniglot(data_dir, None, 'ht', 2022, 28)
+  print(f'\nload_omniglot (read + resize + cache): {time.time() - start:.1f} s')
+  assert {s: out[s].shape for s in omniglot.SPLITS} == {
+      'train': (1150, 20, 28, 28, 1),
+      'validation': (50, 20, 28, 28, 1),
+      'test': (423, 20, 28, 28, 1)}
+  everything = np.concatenate([out[s] for s in omniglot.SPLITS])
+  assert everything.dtype == np.uint8
+  assert everything.min() == 0 and everything.max() == 255
+  assert 200 < everything.mean() < 250  # White background, dark strokes.
+  # Different classes look different, the images of a class are distinct.
+  assert not np.array_equal(out['train'][0, 0], out['train'][1, 0])
+  assert len({out['test'][0, i].tobytes() for i in range(20)}) == 20
+
+  start = time.time()
+  cached = omniglot.load_omniglot(data_dir, None, 'ht', 2022, 28)
+  assert time.time() - start < 1.0
+  for s in omniglot.SPLITS:
+    np.testing.assert_array_equal(cached[s], out[s])
+
+  alphabet = omniglot.load_omniglot(data_dir, None, 'alphabet', 2022, 28)
+  assert [len(alphabet[s]) for s in omniglot.SPLITS] == [914, 50, 659]
+  # Both schemes index the same class images by global id.
+  ht_test_ids = omniglot.class_split('ht', 2022)['test']
+  first = ht_test_ids[0]
+  where = ('train', first) if first < 914 else (
+      ('validation', first - 914) if first < 964 else ('test', first - 964))
+  np.testing.assert_array_equal(alphabet[where[0]][where[1]], out['test'][0])
+  assert os.path.exists(os.path.join(
+      data_dir, 'cht_jax_cache', 'omniglot_ht_2022_28.npz'))

@@ -1,0 +1,41 @@
+"""`python -m cht_jax.main` end to end on real Omniglot with a tiny config, and resume."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO_ROOT
+
+
+def run_main(workdir, data_dir, *overrides):
+  command = [sys.executable, '-m', 'cht_jax.main', '--config=configs/omniglot_t2.py:tiny',
+             f'--workdir={workdir}', f'--config.data.data_dir={data_dir}', *overrides]
+  result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stderr
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_main_trains_checkpoints_and_resumes(tmp_path, prepared_omniglot):
+  workdir = str(tmp_path / 'work')
+  run_main(workdir, prepared_omniglot)
+  steps = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')))
+  assert steps == [2, 4]  # checkpoint_every_steps=2, num_steps=4.
+  metrics = read_metrics(workdir)
+  train_rows = [m for m in metrics if m['split'] == 'train']
+  assert [m['step'] for m in train_rows] == [2, 4]
+  assert all(m['train/steps_per_sec'] > 0 for m in train_rows)
+  assert any(m['split'] == 'validation' for m in metrics)
+  assert any(name.startswith('events.out.tfevents') for name in os.listdir(workdir))
+
+  # Same command, more steps: resumes from step 4 instead of starting over.
+  log = run_main(workdir, prepared_omniglot, '--config.train.num_steps=6')
+  assert 'Resuming from the checkpoint of step 4' in log
+  train_steps = [m['step'] for m in read_metrics(workdir) if m['split'] == 'train']
+  assert train_steps == [2, 4, 6]
+  assert sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))) == [2, 4, 6]
