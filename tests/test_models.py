@@ -1,5 +1,6 @@
 """The generated CNN and the HyperTransformer: shapes, widths, the weight layout."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,13 +9,27 @@ import pytest
 from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import features as features_lib
 from cht_jax.models import hypertransformer as ht_lib
+from cht_jax.models import ops
 
 
-def test_conv_impls_agree():
-  x = jax.random.normal(jax.random.key(0), (3, 9, 9, 5))
-  kernel = jax.random.normal(jax.random.key(1), (3, 3, 5, 7))
-  np.testing.assert_allclose(cnn_lib.conv2d_same(x, kernel, 'patches'),
-                             cnn_lib.conv2d_same(x, kernel, 'lax'), rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize('size, kernel_size, stride, padding', [
+    (9, 3, 1, 'SAME'), (28, 3, 2, 'SAME'), (7, 3, 2, 'SAME'), (4, 3, 1, 'SAME'),
+    (28, 3, 2, 'VALID'), (13, 3, 1, 'VALID'), (3, 3, 2, 'VALID'), (1, 1, 1, 'VALID'),
+    (8, 2, 1, 'SAME')])
+def test_conv_impls_agree(size, kernel_size, stride, padding):
+  x = jax.random.normal(jax.random.key(0), (3, size, size, 5))
+  kernel = jax.random.normal(jax.random.key(1), (kernel_size, kernel_size, 5, 7))
+  patches = ops.conv2d(x, kernel, stride, padding, 'patches')
+  reference = ops.conv2d(x, kernel, stride, padding, 'lax')
+  assert patches.shape == reference.shape
+  np.testing.assert_allclose(patches, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('size', [28, 7, 3, 1])
+def test_max_pool_matches_reduce_window(size):
+  x = jax.random.normal(jax.random.key(0), (2, size, size, 3))
+  np.testing.assert_array_equal(cnn_lib.max_pool_2x2(x),
+                                nn.max_pool(x, (2, 2), (2, 2), 'VALID'))
 
 
 def test_batch_stat_norm_uses_the_batch_statistics():

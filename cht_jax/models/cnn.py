@@ -23,48 +23,21 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from cht_jax.models import ops
+
 # TF's BatchNormalization default, as used by the original HT code.
 BATCH_NORM_EPSILON = 1e-3
-CONV_IMPLS = ('patches', 'lax')
-
-
-def conv2d_same(x: jax.Array, kernel: jax.Array, impl: str = 'patches') -> jax.Array:
-  """Stride-1 `same` convolution without bias.
-
-  Args:
-    x: [N, H, W, C_in].
-    kernel: [k, k, C_in, C_out].
-    impl: 'patches' gathers the k*k shifted copies of `x` and runs one matrix
-      product; 'lax' calls `lax.conv_general_dilated`. Both give the same
-      numbers. When the kernel is generated per episode and the call is
-      vmapped over episodes, 'lax' becomes a grouped convolution (slow on
-      XLA:CPU) while 'patches' becomes a batched matrix product.
-
-  Returns:
-    [N, H, W, C_out].
-  """
-  if impl == 'lax':
-    return jax.lax.conv_general_dilated(
-        x, kernel, window_strides=(1, 1), padding='SAME',
-        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
-  if impl != 'patches':
-    raise ValueError(f'Unknown conv_impl {impl!r}; expected one of {CONV_IMPLS}.')
-  kh, kw, c_in, c_out = kernel.shape
-  _, h, w, _ = x.shape
-  # `same` padding for stride 1 puts the extra row/column (even kernels) last.
-  pad_h, pad_w = kh - 1, kw - 1
-  padded = jnp.pad(x, ((0, 0), (pad_h // 2, pad_h - pad_h // 2),
-                       (pad_w // 2, pad_w - pad_w // 2), (0, 0)))
-  # Patch features in (kh, kw, c_in) order, matching kernel.reshape(-1, c_out).
-  patches = jnp.concatenate(
-      [padded[:, i:i + h, j:j + w, :] for i in range(kh) for j in range(kw)],
-      axis=-1)
-  return patches @ kernel.reshape(kh * kw * c_in, c_out)
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:
-  """2x2 max-pool, stride 2, `valid` padding: [N, H, W, C] -> [N, H//2, W//2, C]."""
-  return nn.max_pool(x, window_shape=(2, 2), strides=(2, 2), padding='VALID')
+  """2x2 max-pool, stride 2, `valid` padding: [N, H, W, C] -> [N, H//2, W//2, C].
+
+  Written as a reshape and a max rather than `reduce_window`: same numbers,
+  and its gradient avoids `select_and_scatter`, which XLA:CPU runs slowly.
+  """
+  n, h, w, c = x.shape
+  x = x[:, :h // 2 * 2, :w // 2 * 2, :]
+  return x.reshape(n, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
 
 
 def batch_stat_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
@@ -84,7 +57,7 @@ def conv_block(x: jax.Array, block: dict, conv_impl: str) -> jax.Array:
 
   `block` holds 'kernel' [k, k, C_in, C_out], 'scale' and 'bias' [C_out].
   """
-  x = jax.nn.relu(conv2d_same(x, block['kernel'], conv_impl))
+  x = jax.nn.relu(ops.conv2d(x, block['kernel'], impl=conv_impl))
   return batch_stat_norm(max_pool_2x2(x), block['scale'], block['bias'])
 
 
@@ -141,7 +114,7 @@ class CNN(nn.Module):
     channels: output channels of each conv block.
     embedding_dim: width of the final dense layer (an embedding for the
       prototypical loss, K logits for cross-entropy).
-    conv_impl: see `conv2d_same`.
+    conv_impl: see `ops.conv2d`.
     kernel_size: conv kernel size (3 in the paper).
   """
   channels: Sequence[int] = (8, 8, 8, 8)

@@ -4,6 +4,24 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from cht_jax.models import ops
+
+
+class Conv(nn.Module):
+  """A convolution with bias whose math is `ops.conv2d` (Glorot-uniform, zero bias)."""
+  features: int
+  kernel_size: int
+  stride: int = 1
+  padding: str = 'SAME'
+  impl: str = 'patches'
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.param('kernel', nn.initializers.glorot_uniform(),
+                        (self.kernel_size, self.kernel_size, x.shape[-1], self.features))
+    bias = self.param('bias', nn.initializers.zeros, (self.features,))
+    return ops.conv2d(x, kernel, self.stride, self.padding, self.impl) + bias
+
 
 class ImageFeatureExtractor(nn.Module):
   """Shared by all generated layers; runs once on the raw support images.
@@ -14,16 +32,15 @@ class ImageFeatureExtractor(nn.Module):
   features: int = 32
   num_layers: int = 4
   kernel_size: int = 3
+  conv_impl: str = 'patches'
 
   @nn.compact
   def __call__(self, images: jax.Array) -> jax.Array:
     x = images
     for i in range(self.num_layers):
       stride = 2 if i < self.num_layers - 1 else 1
-      x = nn.Conv(self.features, (self.kernel_size, self.kernel_size),
-                  strides=(stride, stride), padding='SAME',
-                  kernel_init=nn.initializers.glorot_uniform(),
-                  name=f'conv_{i}')(x)
+      x = Conv(self.features, self.kernel_size, stride, 'SAME', self.conv_impl,
+               name=f'conv_{i}')(x)
       x = jax.nn.relu(x)
     return jnp.mean(x, axis=(1, 2))
 
@@ -60,15 +77,14 @@ class ActivationFeatureExtractor(nn.Module):
   features: int = 8
   num_layers: int = 2
   kernel_size: int = 3
+  conv_impl: str = 'patches'
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     outputs = []
     for i, (k, stride) in enumerate(
         activation_conv_plan(x.shape[1], self.num_layers, self.kernel_size)):
-      x = nn.Conv(self.features, (k, k), strides=(stride, stride),
-                  padding='VALID', kernel_init=nn.initializers.glorot_uniform(),
-                  name=f'conv_{i}')(x)
+      x = Conv(self.features, k, stride, 'VALID', self.conv_impl, name=f'conv_{i}')(x)
       outputs.append(jnp.mean(x, axis=(1, 2)))
       x = jax.nn.relu(x)
     return jnp.concatenate(outputs, axis=-1)

@@ -104,7 +104,7 @@ class HyperTransformer(nn.Module):
     act_features = features_lib.ActivationFeatureExtractor(
         features=self.activation_features or max(self.channels),
         num_layers=num_extractor_convs, kernel_size=self.kernel_size,
-        name=f'{name}_activation_features')(activations)
+        conv_impl=self.conv_impl, name=f'{name}_activation_features')(activations)
     sample_features = jnp.concatenate([act_features, image_features], axis=-1)
     emb = self.embedding_dim
     width = max(emb + block_size, emb + sample_features.shape[-1])
@@ -139,7 +139,7 @@ class HyperTransformer(nn.Module):
     """
     image_features = features_lib.ImageFeatureExtractor(
         features=self.image_features, kernel_size=self.kernel_size,
-        name='image_features')(support_images)
+        conv_impl=self.conv_impl, name='image_features')(support_images)
     theta, x = {}, support_images
     for i, c_out in enumerate(self.channels):
       name = f'block_{i}'
