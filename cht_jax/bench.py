@@ -1,16 +1,21 @@
-r"""Benchmark: training steps/s and episodes/s, compile time, episode sampling alone.
+r"""Benchmark: training and evaluation speed, compile time, generation latency, memory.
 
-  python -m cht_jax.bench --config=configs/omniglot_t5.py --batch_sizes=1,8,32 \
-      --output=bench.json
+  python -m cht_jax.bench --config=configs/omniglot_t5.py --tasks=1,5 \
+      --batch_sizes=1,8,32 --output=bench.json
 
 Times the same jit-compiled `train.make_train_step` that training runs, on
-random images of the config's shape (speed does not depend on pixel values),
-and the on-device episode sampler alone, so the two can be compared. Prints a
-table and writes it as JSON.
+random images of the config's shape (speed does not depend on pixel values);
+the on-device episode sampler alone, so the two can be compared; the forward
+pass of a batch of episodes (what evaluation runs); and the latency of
+generating theta for one new task. Speeds are also given as a fraction of an
+fp32 matrix-product rate measured in the same run (FLOPs from XLA's cost
+analysis), so numbers from different machines compare. Prints a table and
+writes it as JSON.
 """
 
 import json
 import platform
+import resource
 import time
 
 from absl import app
@@ -26,6 +31,7 @@ from cht_jax.data import episodes as episodes_lib
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'A config file (see configs/).')
+flags.DEFINE_list('tasks', None, 'Numbers of tasks T to time (default: the config\'s).')
 flags.DEFINE_list('batch_sizes', ['1', '8', '32'], 'Episodes per step to time.')
 flags.DEFINE_integer('min_seconds', 10, 'Time each setting for at least this long.')
 flags.DEFINE_integer('num_classes', 1150, 'Classes in the fake training split.')
@@ -52,7 +58,17 @@ def matmul_gflops(min_seconds: float = 2.0) -> float:
   return 2 * 1024 ** 3 / _time(lambda: matmul(a), min_seconds) / 1e9
 
 
-def bench_config(config, batch_size: int, class_images, min_seconds: float) -> dict:
+def _peak_memory_bytes() -> int:
+  """Peak device memory where the backend reports it, else the process's peak RSS."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if 'peak_bytes_in_use' in stats:
+    return int(stats['peak_bytes_in_use'])
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def bench_config(config, batch_size: int, class_images, min_seconds: float,
+                 matmul_rate: float) -> dict:
+  """Times one (T, episodes per step) setting."""
   config = config.copy_and_resolve_references()
   config.train.episodes_per_step = batch_size
   ht = models.build_hypertransformer(config)
@@ -65,29 +81,51 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float) -> d
   start = time.perf_counter()
   compiled = step.lower(state, class_images, key).compile()
   compile_seconds = time.perf_counter() - start
+  step_flops = compiled.cost_analysis().get('flops', float('nan'))
 
   holder = [state]
   def one_step():
     holder[0], metrics = compiled(holder[0], class_images, key)
     return metrics['loss']
   step_seconds = _time(one_step, min_seconds)
+  params = holder[0].params
 
   spec = train.episode_spec(config)
   sample = jax.jit(lambda k: episodes_lib.sample_episodes(
       k, class_images, spec, batch_size, rotate=config.data.rotate))
   jax.block_until_ready(sample(key))
   sample_seconds = _time(lambda: sample(key), min_seconds / 4)
-  memory = jax.devices()[0].memory_stats() or {}
+
+  forward = train.make_eval_step(config, ht, batch_size)
+  jax.block_until_ready(forward(params, class_images, key))
+  forward_seconds = _time(lambda: forward(params, class_images, key), min_seconds / 2)
   return {
       'num_tasks': config.episode.num_tasks,
       'episodes_per_step': batch_size,
       'compile_s': compile_seconds,
       'steps_per_s': 1 / step_seconds,
       'episodes_per_s': batch_size / step_seconds,
+      'step_gflops': step_flops / 1e9,
+      'fraction_of_matmul_rate': step_flops / step_seconds / 1e9 / matmul_rate,
+      'forward_episodes_per_s': batch_size / forward_seconds,
       'sampling_episodes_per_s': batch_size / sample_seconds,
       'sampling_share_of_step': sample_seconds / step_seconds,
-      'peak_bytes': memory.get('peak_bytes_in_use'),
+      'peak_memory_bytes': _peak_memory_bytes(),
   }
+
+
+def generation_latency(config, class_images, min_seconds: float) -> float:
+  """Seconds to generate theta_t for one new task from its support set and theta_{t-1}."""
+  ht = models.build_hypertransformer(config)
+  spec = train.episode_spec(config)
+  episode = episodes_lib.sample_episode(jax.random.key(0), class_images, spec, rotate=False)
+  support_images = episode['support_images'][0]
+  support_labels = episode['support_labels'][0]
+  theta = models.hypertransformer.zeros_theta(ht.cnn, support_images.shape[1:])
+  params = ht.init(jax.random.key(0), support_images, support_labels, theta)['params']
+  generate = jax.jit(lambda p, x, y, t: ht.apply({'params': p}, x, y, t))
+  theta = generate(params, support_images, support_labels, theta)
+  return _time(lambda: generate(params, support_images, support_labels, theta), min_seconds)
 
 
 def main(argv):
@@ -97,19 +135,26 @@ def main(argv):
   class_images = jnp.asarray(np.random.default_rng(0).integers(
       0, 256, (FLAGS.num_classes, 20, size, size, 1), dtype=np.uint8))
   gflops = matmul_gflops()
-  rows = [bench_config(config, int(b), class_images, FLAGS.min_seconds)
-          for b in FLAGS.batch_sizes]
+  rows = []
+  for num_tasks in FLAGS.tasks or [config.episode.num_tasks]:
+    config.episode.num_tasks = int(num_tasks)
+    rows += [bench_config(config, int(b), class_images, FLAGS.min_seconds, gflops)
+             for b in FLAGS.batch_sizes]
+  latency = generation_latency(config, class_images, FLAGS.min_seconds / 2)
   header = {'device': str(jax.devices()[0].device_kind), 'platform': jax.default_backend(),
             'num_devices': jax.device_count(), 'jax': jax.__version__,
-            'machine': platform.machine(), 'matmul_gflops': gflops}
+            'machine': platform.machine(), 'matmul_gflops': gflops,
+            'generation_latency_ms': latency * 1e3}
   print(f"device {header['device']} x{header['num_devices']} ({header['platform']}), "
         f"JAX {header['jax']}, fp32 matmul {gflops:.0f} GFLOP/s")
-  print(f"{'T':>2} {'B':>4} {'compile s':>9} {'steps/s':>8} {'episodes/s':>10} "
-        f"{'sampling ep/s':>13} {'sampling share':>14}")
+  print(f"{'T':>2} {'B':>3} {'compile s':>9} {'steps/s':>8} {'episodes/s':>10} "
+        f"{'of matmul':>9} {'eval ep/s':>9} {'sampling ep/s':>13} {'peak MB':>8}")
   for r in rows:
-    print(f"{r['num_tasks']:>2} {r['episodes_per_step']:>4} {r['compile_s']:>9.1f} "
+    print(f"{r['num_tasks']:>2} {r['episodes_per_step']:>3} {r['compile_s']:>9.1f} "
           f"{r['steps_per_s']:>8.2f} {r['episodes_per_s']:>10.1f} "
-          f"{r['sampling_episodes_per_s']:>13.0f} {r['sampling_share_of_step']:>14.2%}")
+          f"{r['fraction_of_matmul_rate']:>9.1%} {r['forward_episodes_per_s']:>9.1f} "
+          f"{r['sampling_episodes_per_s']:>13.0f} {r['peak_memory_bytes'] / 2**20:>8.0f}")
+  print(f"generating theta for one new task: {header['generation_latency_ms']:.2f} ms")
   if FLAGS.output:
     with open(FLAGS.output, 'w') as f:
       json.dump({**header, 'rows': rows}, f, indent=2)

@@ -1,0 +1,57 @@
+"""Run by test_parallel.py in a fresh process with N fake CPU devices (XLA_FLAGS set first).
+
+Takes one training step on the same global batch of episodes over a mesh of all N
+devices and over a mesh of one device, and prints the largest differences as JSON.
+"""
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from cht_jax import models
+from cht_jax import train
+from configs import omniglot_t2
+
+
+def one_step(config, devices, images):
+  mesh = jax.sharding.Mesh(np.array(devices), ('data',),
+                           axis_types=(jax.sharding.AxisType.Auto,))
+  replicated = jax.NamedSharding(mesh, jax.P())
+  ht = models.build_hypertransformer(config)
+  optimizer = train.make_optimizer(config.optim)
+  size = config.data.image_size
+  state = train.init_state(config, ht, optimizer, jax.random.key(0), (size, size, 1))
+  state = jax.device_put(state, replicated)
+  step = train.make_train_step(config, ht, optimizer, mesh)
+  new_state, metrics = step(state, jax.device_put(images, replicated), jax.random.key(7))
+  return jax.device_get(new_state.params), jax.device_get(metrics)
+
+
+def main():
+  expected_devices = int(sys.argv[1])
+  assert jax.device_count() == expected_devices, jax.devices()
+  config = omniglot_t2.get_config('tiny')
+  config.train.episodes_per_step = 8
+  config.optim.name = 'sgd'  # Adam's first step is sign(g) * lr: it would amplify float noise.
+  config.optim.learning_rate = 0.01
+  images = np.random.default_rng(0).integers(0, 256, (12, 20, 16, 16, 1), dtype=np.uint8)
+  params_n, metrics_n = one_step(config, jax.devices(), images)
+  params_1, metrics_1 = one_step(config, jax.devices()[:1], images)
+  diff = lambda a, b: max(float(np.max(np.abs(x - y)))
+                          for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  print(json.dumps({
+      'devices': jax.device_count(),
+      'loss': [float(metrics_n['loss']), float(metrics_1['loss'])],
+      'grad_norm': [float(metrics_n['grad_norm']), float(metrics_1['grad_norm'])],
+      'max_param_diff': diff(params_n, params_1),
+      'max_param_change': diff(params_1, jax.device_get(
+          train.init_state(config, models.build_hypertransformer(config),
+                           train.make_optimizer(config.optim), jax.random.key(0),
+                           (16, 16, 1)).params)),
+  }))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,20 @@
+"""The benchmark runs and reports sane numbers (speed itself is not asserted here)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cht_jax import bench
+from configs import omniglot_t2
+
+
+def test_bench_config_reports_every_field():
+  config = omniglot_t2.get_config('tiny')
+  images = jnp.asarray(np.random.default_rng(0).integers(0, 256, (12, 20, 16, 16, 1), np.uint8))
+  row = bench.bench_config(config, 2, images, min_seconds=0.0, matmul_rate=100.0)
+  assert row['num_tasks'] == 2 and row['episodes_per_step'] == 2
+  for field in ('compile_s', 'steps_per_s', 'step_gflops', 'forward_episodes_per_s',
+                'sampling_episodes_per_s', 'peak_memory_bytes'):
+    assert row[field] > 0, field
+  np.testing.assert_allclose(row['episodes_per_s'], 2 * row['steps_per_s'])
+  assert bench.generation_latency(config, images, min_seconds=0.0) > 0
