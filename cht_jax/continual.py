@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from cht_jax import losses
 from cht_jax.models import hypertransformer as ht_lib
@@ -109,8 +110,9 @@ def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
   cross-entropy); the sum over (t, tau) is as in eq. 2-3.
 
   Returns:
-    (loss, metrics) with metrics 'accuracy' (mean over all pairs) and
-    'final_accuracy' (theta_{T-1} on the queries of all T tasks).
+    (loss, metrics) with metrics 'accuracy' (mean over all pairs),
+    'final_accuracy' (theta_{T-1} on the queries of all T tasks) and
+    'theta_norm' (global norm of theta_0..theta_{T-1}, watched for divergence).
   """
   num_tasks = episode['support_images'].shape[0]
   pairs = TaskPairs.lower_triangle(num_tasks)
@@ -124,5 +126,6 @@ def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
       'loss': jnp.sum(cross_entropy),
       'accuracy': jnp.mean(accuracy),
       'final_accuracy': jnp.mean(accuracy[final]),
+      'theta_norm': optax.tree.norm(thetas),
   }
   return metrics['loss'], metrics

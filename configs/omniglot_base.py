@@ -76,8 +76,13 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.train.log_every_steps = 1000
   config.train.checkpoint_every_steps = 10_000
   config.train.keep_checkpoints = 3
-  config.train.eval_every_steps = 20_000  # Validation classes; 0 = never.
+  # Validation classes (as many of the T tasks as their 50 classes allow); 0 = never.
+  config.train.eval_every_steps = 20_000
   config.train.eval_episodes = 32
+  # A step whose loss, gradient or generated weights are not finite never
+  # changes the parameters. 'stop': end the run there, keeping the last good
+  # checkpoint; 'skip': go on with the next batch (up to 20 such steps in a row).
+  config.train.on_divergence = 'stop'
 
   if variant == 'smoke':
     config.optim.name = 'adam'

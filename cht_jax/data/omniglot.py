@@ -25,9 +25,11 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
+import zipfile
 from typing import Sequence
 
 from absl import logging
@@ -50,6 +52,8 @@ ARCHIVES = (
 SUMS_FILENAME = 'SHA256SUMS'
 _UPSTREAM_URL = 'https://github.com/brendenlake/omniglot/raw/master/python/'
 _CACHE_DIRNAME = 'cht_jax_cache'
+_TFDS_GCS_URL = 'https://storage.googleapis.com/tfds-data/'
+_PROBE_TIMEOUT_S = 10
 
 
 class DataError(RuntimeError):
@@ -198,6 +202,24 @@ def _offline_builder(data_dir: str | None, url_infos: dict):
   return OfflineOmniglot(data_dir=data_dir)
 
 
+def _unreachable(urls: Sequence[str]) -> str | None:
+  """Why none of `urls` answers a HEAD request, or None if one does."""
+  import urllib.error  # pylint: disable=g-import-not-at-top
+  import urllib.request  # pylint: disable=g-import-not-at-top
+
+  reasons = []
+  for url in urls:
+    try:
+      urllib.request.urlopen(urllib.request.Request(url, method='HEAD'),
+                             timeout=_PROBE_TIMEOUT_S).close()
+      return None
+    except urllib.error.HTTPError:
+      return None  # A server answered: the network works.
+    except (urllib.error.URLError, OSError) as e:
+      reasons.append(f'{url}: {getattr(e, "reason", e)}')
+  return '; '.join(reasons)
+
+
 def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
   """Makes sure the TFDS `omniglot` dataset is prepared in `data_dir`.
 
@@ -208,8 +230,9 @@ def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
   (a rebuilt archive); the dataset is then prepared offline (no GCS, no
   network) by a subclass of the stock builder whose `url_infos` are those of
   the checked files, and the stock builder reads the result. If no folder has
-  any archive, the normal TFDS download is tried (offline, TFDS retries for
-  a few minutes before this fails).
+  any archive, the normal TFDS download is tried, unless neither the upstream
+  server nor TFDS's GCS bucket answers a HEAD request within seconds: then
+  this fails at once (TFDS itself would retry for minutes).
 
   Args:
     data_dir: TFDS data dir; None for TFDS's default (~/tensorflow_datasets or
@@ -252,6 +275,11 @@ def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
   else:
     logging.info('No Omniglot archives in %s: downloading with TFDS into %s.',
                  ' or '.join(folders), root)
+    offline = _unreachable(list(type(builder).url_infos or {})[:1] + [_TFDS_GCS_URL])
+    if offline:  # Fail now rather than after minutes of TFDS retries.
+      raise DataError(
+          f'No Omniglot archives in {" or ".join(folders)}, and no network to '
+          f'download them ({offline}). ' + _fix_hint(folder))
     try:
       builder.download_and_prepare()
     except Exception as e:  # pylint: disable=broad-except
@@ -329,7 +357,15 @@ def _read_split(builder, split: str, image_size: int):
   ds = ds.map(lambda ex: (ex['image'], ex['label']),
               num_parallel_calls=tf.data.AUTOTUNE)
   ds = ds.batch(1024).map(resize, num_parallel_calls=tf.data.AUTOTUNE)
-  batches = list(tfds.as_numpy(ds.prefetch(tf.data.AUTOTUNE)))
+  try:
+    batches = list(tfds.as_numpy(ds.prefetch(tf.data.AUTOTUNE)))
+  except tf.errors.OpError as e:
+    # TF wraps the reason: '{{function_node ...}} corrupted record at 42 [Op:...]'.
+    reason = re.sub(r'\{\{.*?\}\}|\[Op:.*', '', e.message or '').split('\n')[0]
+    raise DataError(
+        f'The prepared TFDS omniglot in {builder.data_dir} cannot be read '
+        f'(split {split!r}: {type(e).__name__}: {reason.strip()[:200]}). Delete that '
+        'folder and run again to prepare it afresh from the archives.') from None
   if not batches:
     return (np.zeros((0, image_size, image_size, 1), np.uint8),
             np.zeros((0,), np.int64))
@@ -440,10 +476,14 @@ def load_omniglot(
                       split_seed, image_size)
   use_cache = images_per_class == IMAGES_PER_CLASS
   if use_cache and builder.is_prepared() and os.path.exists(cache):
-    with np.load(cache) as f:
-      out = {s: f[s] for s in SPLITS}
-    logging.info('Omniglot loaded from cache %s.', cache)
-    return out
+    try:
+      with np.load(cache) as f:
+        out = {s: f[s] for s in SPLITS}
+      logging.info('Omniglot loaded from cache %s.', cache)
+      return out
+    except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
+      logging.warning('Rebuilding the unreadable cache %s (%s: %s).', cache,
+                      type(e).__name__, e)
 
   start = time.time()
   prepare_omniglot(data_dir, manual_dir)

@@ -1,0 +1,286 @@
+"""Start-up checks of a config: every mistake named before anything is compiled or downloaded.
+
+`validate(config)` checks each field against `SCHEMA` (type and range), rejects
+fields the schema does not know (typos), then the relations between fields:
+the classes an episode needs against the classes of the split (known from the
+split scheme alone, no data is read), the image size against the CNN depth,
+the loss against the CNN head, the batch against the devices. All problems are
+reported at once in one `ConfigError`, each naming the field, its value and
+what would be valid.
+
+`flags_parser` replaces absl's flag parser in `main` so that a mistyped
+`--config.x.y=...` override or a config file that fails to load ends in the
+same kind of one-paragraph message instead of a traceback.
+
+A new config field must be added to `SCHEMA`, or every config that has it is
+rejected as having an unknown field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import sys
+from typing import Any, Callable, Sequence
+
+from absl import flags
+import ml_collections
+
+from cht_jax import losses
+from cht_jax.data import episodes
+from cht_jax.data import omniglot
+from cht_jax.models import cnn
+from cht_jax.models import ops
+from cht_jax.models import transformer
+
+OPTIMIZERS = ('sgd', 'momentum', 'adam')
+ON_DIVERGENCE = ('stop', 'skip')
+
+Check = Callable[[Any], str | None]  # A value -> what would be valid, or None if it is.
+
+
+class ConfigError(ValueError):
+  """A config field has a wrong value, or fields contradict each other."""
+
+
+def _integer(minimum: int) -> Check:
+  def check(value):
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    return None if ok else f'an integer >= {minimum}'
+  return check
+
+
+def _number(minimum: float, inclusive: bool = False, maximum: float | None = None) -> Check:
+  """A finite number > minimum (>= if inclusive), and < maximum if given."""
+  bounds = f'{">=" if inclusive else ">"} {minimum:g}'
+  if maximum is not None:
+    bounds += f' and < {maximum:g}'
+
+  def check(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      return f'a number {bounds}'
+    ok = (math.isfinite(value) and (value >= minimum if inclusive else value > minimum)
+          and (maximum is None or value < maximum))
+    return None if ok else f'a finite number {bounds}'
+  return check
+
+
+def _choice(options: Sequence[Any]) -> Check:
+  return lambda value: None if value in options else f'one of {tuple(options)}'
+
+
+def _boolean(value) -> str | None:
+  return None if isinstance(value, bool) else 'True or False'
+
+
+def _string(value) -> str | None:
+  return None if isinstance(value, str) else "a string ('' for the default)"
+
+
+SCHEMA: dict[str, Check] = {
+    'seed': _integer(0),
+    'data.dataset': _choice(('omniglot',)),
+    'data.data_dir': _string,
+    'data.manual_dir': _string,
+    'data.split_scheme': _choice(omniglot.SPLIT_SCHEMES),
+    'data.split_seed': _integer(0),
+    'data.image_size': _integer(1),
+    'data.rotate': _boolean,
+    'episode.num_tasks': _integer(1),
+    'episode.ways': _integer(1),
+    'episode.shots': _integer(1),
+    'episode.queries_per_class': _integer(1),
+    'episode.task_classes': _choice(episodes.TASK_CLASSES),
+    'model.channels': _integer(1),
+    'model.num_blocks': _integer(1),
+    'model.cnn_embedding_dim': _integer(1),
+    'model.embedding_dim': _integer(1),
+    'model.image_features': _integer(1),
+    'model.activation_features': _integer(1),
+    'model.num_layers': _integer(1),
+    'model.num_heads': _integer(1),
+    'model.query_key_fraction': _number(0),
+    'model.value_fraction': _number(0),
+    'model.inner_fraction': _number(0),
+    'model.activation': _choice(tuple(transformer.ACTIVATIONS)),
+    'model.generate_bn': _boolean,
+    'model.conv_impl': _choice(ops.CONV_IMPLS),
+    'model.remat': _boolean,
+    'loss': _choice(losses.LOSSES),
+    'optim.name': _choice(OPTIMIZERS),
+    'optim.learning_rate': _number(0),
+    'optim.decay_rate': _number(0),
+    'optim.decay_steps': _integer(1),
+    'optim.momentum': _number(0, inclusive=True, maximum=1),
+    'optim.grad_clip_norm': _number(0, inclusive=True),
+    'train.num_steps': _integer(1),
+    'train.episodes_per_step': _integer(1),
+    'train.log_every_steps': _integer(1),
+    'train.checkpoint_every_steps': _integer(1),
+    'train.keep_checkpoints': _integer(1),
+    'train.eval_every_steps': _integer(0),
+    'train.eval_episodes': _integer(1),
+    'train.on_divergence': _choice(ON_DIVERGENCE),
+}
+
+
+def _leaves(config: ml_collections.ConfigDict, prefix: str = '') -> dict[str, Any]:
+  """Dotted path -> value of every non-ConfigDict field."""
+  out = {}
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      out.update(_leaves(value, f'{prefix}{key}.'))
+    else:
+      out[f'{prefix}{key}'] = value
+  return out
+
+
+def _did_you_mean(path: str, known: Sequence[str]) -> str:
+  close = difflib.get_close_matches(path, known, n=1, cutoff=0.6)
+  if close:
+    return f'did you mean {close[0]}?'
+  section = path.rsplit('.', 1)[0] + '.' if '.' in path else ''
+  siblings = sorted(k for k in known if k.startswith(section) and '.' not in k[len(section):])
+  return f'the known fields there are {", ".join(siblings) or "none"}.'
+
+
+def _field_problems(values: dict[str, Any]) -> list[str]:
+  problems = []
+  for path, check in SCHEMA.items():
+    if path not in values:
+      problems.append(f'{path} is missing: it must be {check(None) or "set"}.')
+      continue
+    expected = check(values[path])
+    if expected:
+      problems.append(f'{path} = {values[path]!r}: must be {expected}.')
+  for path in sorted(values.keys() - SCHEMA.keys()):
+    problems.append(f'{path} = {values[path]!r} is not a known config field; '
+                    + _did_you_mean(path, list(SCHEMA)))
+  return problems
+
+
+def _episode_problems(c: ml_collections.ConfigDict) -> list[str]:
+  """Classes and images an episode needs against those of the splits."""
+  ep = c.episode
+  sizes = {s: len(ids) for s, ids in omniglot.class_split(
+      c.data.split_scheme, c.data.split_seed).items()}
+  splits = ['train'] + (['validation'] if c.train.eval_every_steps else [])
+  if ep.task_classes == 'disjoint':
+    needed = ep.ways * ep.num_tasks
+    what = (f'episode.ways * episode.num_tasks = {ep.ways} * {ep.num_tasks} = {needed} '
+            "distinct classes per episode (episode.task_classes='disjoint')")
+  else:
+    needed, what = ep.ways, f'episode.ways = {ep.ways} classes per episode'
+  problems = []
+  for split in splits:
+    # Validation during training runs as many of the T tasks as its classes
+    # allow (train.validation_tasks), so it needs one task's classes.
+    split_needed = needed if split == 'train' else ep.ways
+    if split_needed > sizes[split]:
+      fix = ('lower episode.ways or episode.num_tasks, or use '
+             "episode.task_classes='same'")
+      if split == 'validation':
+        fix += (f', or set train.eval_every_steps=0 to skip validation during '
+                'training (evaluate on the test split afterwards)')
+      problems.append(
+          f'{what if split == "train" else f"episode.ways = {ep.ways} classes per task"} '
+          f'but the {split!r} split of data.split_scheme='
+          f'{c.data.split_scheme!r} has only {sizes[split]} classes: {fix}.')
+  per_class = ep.shots + ep.queries_per_class
+  if per_class > omniglot.IMAGES_PER_CLASS:
+    problems.append(
+        f'episode.shots + episode.queries_per_class = {ep.shots} + '
+        f'{ep.queries_per_class} = {per_class} images per class, but Omniglot has '
+        f'{omniglot.IMAGES_PER_CLASS} per class.')
+  return problems
+
+
+def _model_problems(c: ml_collections.ConfigDict, num_devices: int) -> list[str]:
+  problems = []
+  size, blocks = c.data.image_size, c.model.num_blocks
+  if size < 2 ** blocks:
+    chain = ' -> '.join(str(s) for s in cnn.feature_map_sizes(size, blocks))
+    problems.append(
+        f'data.image_size = {size} is too small for model.num_blocks = {blocks}: '
+        f'each block halves the feature map ({chain}), so it must be >= '
+        f'{2 ** blocks}, or model.num_blocks <= {max(int(math.log2(size)), 0)}.')
+  if c.loss == 'cross_entropy' and c.model.cnn_embedding_dim != c.episode.ways:
+    problems.append(
+        f"loss = 'cross_entropy' reads the CNN's final layer as class logits, so "
+        f'model.cnn_embedding_dim = {c.model.cnn_embedding_dim} must equal '
+        f'episode.ways = {c.episode.ways}.')
+  if c.train.episodes_per_step % num_devices:
+    problems.append(
+        f'train.episodes_per_step = {c.train.episodes_per_step} must be a multiple '
+        f'of the {num_devices} devices the batch is split over.')
+  return problems
+
+
+def validate(config: Any, num_devices: int | None = None) -> ml_collections.ConfigDict:
+  """Checks every field of a training config; returns it unchanged.
+
+  Args:
+    config: the config (`configs/omniglot_*.py`), or what `config_flags` left
+      when the config file failed to load.
+    num_devices: devices the episode batch is sharded over (default: all).
+
+  Raises:
+    ConfigError: naming every wrong field, its value and what would be valid.
+  """
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f'The config could not be loaded: {_load_failure(config)}')
+  problems = _field_problems(_leaves(config))
+  if not problems:  # Relations between fields need each field to be valid.
+    if num_devices is None:
+      import jax  # pylint: disable=g-import-not-at-top
+      num_devices = jax.device_count()
+    problems = _episode_problems(config) + _model_problems(config, num_devices)
+  if problems:
+    count = f'{len(problems)} problems' if len(problems) > 1 else 'a problem'
+    raise ConfigError(f'The config has {count}: ' + ' '.join(problems))
+  return config
+
+
+def _load_failure(config: Any) -> str:
+  """What `config_flags` recorded about a config file that failed to load."""
+  try:
+    config.keys()
+  except Exception as e:  # pylint: disable=broad-except
+    return _one_paragraph(str(e))
+  return f'expected an ml_collections.ConfigDict, got {type(config).__name__}.'
+
+
+def _one_paragraph(text: str) -> str:
+  """Joins the lines of an error message, dropping any traceback in it."""
+  lines = [line.strip() for line in text.strip().splitlines()]
+  if 'Traceback (most recent call last):' in lines:  # Keep the exception line only.
+    lines = lines[:lines.index('Traceback (most recent call last):')] + lines[-1:]
+  return ' '.join(line for line in lines if line)
+
+
+def _override_message(argv: Sequence[str], error: Exception) -> str:
+  """Names the `--config.*` override whose field does not exist."""
+  text = str(error).replace('\\', '')  # ml_collections: 'name' Did you mean "x" instead of "name"?
+  match = re.search(r'instead of "(\w+)"', text) or re.search(r"'(\w+)'", text)
+  name = match.group(1) if match else None
+  for arg in argv:
+    path = re.match(r'-{1,2}(?:no)?config\.([\w.]+)', arg)
+    if path and name and name in path.group(1).split('.'):
+      return (f'{arg}: the config has no field {path.group(1)}; '
+              + _did_you_mean(path.group(1), list(SCHEMA)))
+  return ('A --config.* override names a field the config does not have: '
+          + _one_paragraph(str(error)))
+
+
+def flags_parser(argv: Sequence[str]) -> list[str]:
+  """absl's flag parsing, with config mistakes reported in one paragraph (exit 1)."""
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:  # An override of a field that does not exist.
+    message = _override_message(argv, e)
+  except flags.Error as e:
+    message = _one_paragraph(str(e))
+  print(f'FATAL Flags parsing error: {message}\nPass --helpshort or --helpfull to see '
+        'help on flags.', file=sys.stderr)
+  sys.exit(1)

@@ -1,0 +1,401 @@
+"""Reliability (issue 7): kills, preemption, divergence and bad environments lose nothing.
+
+The end-to-end tests run `python -m cht_jax.main` in subprocesses on real
+Omniglot with the tiny config; they share a JAX compilation cache, so only
+the first process of a given program compiles it.
+"""
+
+import glob
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import REPO_ROOT
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from cht_jax import continual
+from cht_jax import models
+from cht_jax import train
+from cht_jax.data import omniglot
+from configs import omniglot_t2
+
+TINY = ['--config=configs/omniglot_t2.py:tiny', '--config.train.eval_every_steps=0']
+TMP = '*.orbax-checkpoint-tmp*'
+
+
+# 40 steps, a checkpoint every 4, the last 2 kept, every step's metrics logged.
+OVERRIDES = ('--config.train.checkpoint_every_steps=4', '--config.train.log_every_steps=1',
+             '--config.train.keep_checkpoints=2')
+
+
+@pytest.fixture(scope='module')
+def env(request, tmp_path_factory):
+  """Environment of the subprocesses: one persistent compilation cache for all.
+
+  It lives in pytest's cache folder (kept between sessions) when there is one:
+  JAX keys its entries by program and versions.
+  """
+  cache = getattr(request.config, 'cache', None)
+  folder = cache.mkdir('jax_compilation_cache') if cache else tmp_path_factory.mktemp('jax')
+  return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(folder),
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1')
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory, prepared_omniglot, env):
+  """The workdir of an uninterrupted run of 40 steps (read only: copy it to change it)."""
+  workdir = str(tmp_path_factory.mktemp('reference') / 'work')
+  rc, log = run(env, workdir, prepared_omniglot, *OVERRIDES, '--config.train.num_steps=40')
+  assert rc == 0, log[-3000:]
+  assert complete_steps(workdir) == [36, 40]
+  return workdir
+
+
+def copy_of(workdir, tmp_path):
+  copy = str(tmp_path / 'work')
+  shutil.copytree(workdir, copy)
+  return copy
+
+
+def command(workdir, data_dir, *overrides):
+  return [sys.executable, '-m', 'cht_jax.main', *TINY, f'--workdir={workdir}',
+          f'--config.data.data_dir={data_dir}', *overrides]
+
+
+def start(env, workdir, data_dir, *overrides):
+  """Starts main; its stderr goes to `<workdir>.log`, to be watched."""
+  with open(f'{workdir}.log', 'w') as log:
+    return subprocess.Popen(command(workdir, data_dir, *overrides), cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=log)
+
+
+def finish(process, workdir, timeout=300):
+  process.wait(timeout=timeout)
+  with open(f'{workdir}.log') as f:
+    return process.returncode, f.read()
+
+
+# Sets a limit on the size of written files, then becomes `python -m cht_jax.main ...`.
+LIMITED = ('import os, resource, sys; '
+           'resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2); '
+           'os.execv(sys.executable, [sys.executable] + sys.argv[2:])')
+
+
+def run(env, workdir, data_dir, *overrides, limit_file_size=None):
+  """Runs main to its end: (exit status, stderr)."""
+  argv = command(workdir, data_dir, *overrides)
+  if limit_file_size:  # Writes past this size fail (EFBIG), as on a full disk.
+    argv = [sys.executable, '-c', LIMITED, str(limit_file_size)] + argv[1:]
+  result = subprocess.run(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=300)
+  return result.returncode, result.stderr
+
+
+def complete_steps(workdir):
+  folder = os.path.join(workdir, 'checkpoints')
+  return sorted(int(d) for d in os.listdir(folder) if d.isdigit()) if os.path.isdir(folder) else []
+
+
+def partial_saves(workdir):
+  return glob.glob(os.path.join(workdir, 'checkpoints', TMP))
+
+
+def metrics(workdir, drop=('steps_per_sec', 'episodes_per_sec')):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  return [{k: v for k, v in row.items() if not k.endswith(drop)} for row in rows]
+
+
+def trained_steps(workdir):
+  """Steps the latest start has trained (its 'step N/M: loss' log lines)."""
+  with open(f'{workdir}.log') as f:
+    return [int(s) for s in re.findall(r'step (\d+)/\d+: loss', f.read())]
+
+
+def error_line(log, name):
+  lines = [line for line in log.splitlines() if line.startswith(f'{name}: ')]
+  assert lines, log[-3000:]
+  return lines[-1]
+
+
+def wait_for(condition, process, timeout=300):
+  deadline = time.time() + timeout
+  while process.poll() is None and time.time() < deadline:
+    if condition():
+      return True
+    time.sleep(0.002)
+  return False
+
+
+# --------------------------------------------------------------------------
+# 1 and 5: SIGKILL at any moment (also mid-save), SIGTERM, exact resume.
+# --------------------------------------------------------------------------
+
+
+def kill_during_a_save(env, workdir, data_dir, overrides, rng, attempts=4):
+  """SIGKILLs runs at random moments of saves until one dies with a save half done."""
+  for _ in range(attempts):
+    process = start(env, workdir, data_dir, *overrides)
+    saving = lambda: partial_saves(workdir) and complete_steps(workdir)
+    if not wait_for(saving, process):
+      continue  # The run ended before a second save began.
+    time.sleep(rng.uniform(0, 0.05))
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    if partial_saves(workdir):
+      return
+  pytest.fail(f'No SIGKILL landed during a save in {attempts} attempts.')
+
+
+def test_kill_mid_save_then_preempt_then_resume_bit_for_bit(tmp_path, prepared_omniglot, env,
+                                                             reference):
+  overrides = [*OVERRIDES, '--config.train.num_steps=40']
+  workdir = str(tmp_path / 'work')
+
+  # SIGKILL in the middle of a save: the half-written step is never taken as complete.
+  kill_during_a_save(env, workdir, prepared_omniglot, overrides, random.Random(0))
+  partial = partial_saves(workdir)
+  complete = complete_steps(workdir)
+  partial_step = int(os.path.basename(partial[0]).split('.')[0])
+  manager = ocp.CheckpointManager(os.path.join(workdir, 'checkpoints'),
+                                  options=ocp.CheckpointManagerOptions(read_only=True))
+  assert manager.latest_step() == max(complete) < partial_step
+  manager.close()
+
+  # Restart, then SIGTERM (preemption) a few steps later: a checkpoint of that step first.
+  process = start(env, workdir, prepared_omniglot, *overrides)
+  assert wait_for(lambda: len(trained_steps(workdir)) >= 3, process), finish(
+      process, workdir)[1][-3000:]
+  process.send_signal(signal.SIGTERM)
+  rc, log = finish(process, workdir)
+  assert rc == train.PREEMPTED_EXIT_CODE, log[-3000:]
+  assert f'Resuming from the checkpoint of step {max(complete)}' in log
+  preempted_step = int(error_line(log, 'Preempted').split('after step ')[1].split(',')[0])
+  assert preempted_step in complete_steps(workdir)
+  assert not partial_saves(workdir)  # The partial save was removed at the restart.
+
+  rc, log = run(env, workdir, prepared_omniglot, *overrides)
+  assert rc == 0, log[-3000:]
+  assert f'Resuming from the checkpoint of step {preempted_step}' in log
+  # Same losses, accuracies and norms at every step as the uninterrupted run: bit for bit.
+  assert metrics(workdir) == metrics(reference)
+  assert complete_steps(workdir) == complete_steps(reference) == [36, 40]
+  assert not partial_saves(workdir)
+
+
+# --------------------------------------------------------------------------
+# 2: divergence.
+# --------------------------------------------------------------------------
+
+
+def blow_up_checkpoint(workdir, step, factor=1e10):
+  """Multiplies the parameters of a checkpoint by `factor`: the next step diverges.
+
+  (A learning rate of 1e10 does the same, but is another program to compile.)
+  """
+  path = os.path.join(workdir, 'checkpoints', str(step), 'default')
+  state = ocp.StandardCheckpointer().restore(path)
+  state['params'] = jax.tree.map(lambda p: p * np.float32(factor), state['params'])
+  shutil.rmtree(os.path.join(workdir, 'checkpoints'))
+  manager = train.checkpoint_manager(workdir, tiny_config())
+  manager.save(step, args=ocp.args.StandardSave(state))
+  manager.close()
+
+
+def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(
+    tmp_path, prepared_omniglot, env, reference):
+  workdir = copy_of(reference, tmp_path)
+  blow_up_checkpoint(workdir, 40)
+  overrides = [*OVERRIDES, '--config.train.num_steps=80', '--config.train.checkpoint_every_steps=1']
+  rc, log = run(env, workdir, prepared_omniglot, *overrides)
+  assert rc == 1, log[-3000:]
+  line = error_line(log, 'DivergenceError')
+  assert line.startswith('DivergenceError: Training diverged at step 41: the loss (nan)'), line
+  assert 'the norm of the generated weights (' in line
+  assert f'The last good checkpoint, step 40 in {workdir}/checkpoints, is kept' in line
+  assert complete_steps(workdir) == [40] and not partial_saves(workdir)
+  assert max(row['step'] for row in metrics(workdir)) == 40
+
+  # on_divergence=skip: such steps change nothing, up to MAX_CONSECUTIVE_SKIPS in a row.
+  overrides[-1] = '--config.train.checkpoint_every_steps=5'
+  rc, log = run(env, workdir, prepared_omniglot, *overrides, '--config.train.on_divergence=skip')
+  assert rc == 1, log[-3000:]
+  last = 40 + train.MAX_CONSECUTIVE_SKIPS + 1
+  assert (f'the {last - 40} steps 41..{last} were all skipped'
+          in error_line(log, 'DivergenceError'))
+  rows = [row for row in metrics(workdir) if row['step'] > 40]
+  assert [row['train/skipped_steps'] for row in rows] == [1.0] * (last - 41)
+  assert complete_steps(workdir) == [55, 60]
+  before = ocp.StandardCheckpointer().restore(os.path.join(reference, 'checkpoints', '40',
+                                                           'default'))
+  for step in (55, 60):  # The parameters of step 40, untouched by the skipped steps.
+    kept = ocp.StandardCheckpointer().restore(os.path.join(workdir, 'checkpoints', str(step),
+                                                           'default'))
+    assert int(kept['step']) == step
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b * np.float32(1e10)),
+                 kept['params'], before['params'])
+
+
+class TestDivergenceGuard:
+
+  def row(self, skipped=False, **values):
+    finite = dict(loss=1.0, grad_norm=1.0, theta_norm=1.0, update_norm=1.0)
+    return {**finite, **values, 'skipped': float(skipped)}
+
+  def test_stop_names_the_step_and_what_went_wrong(self):
+    guard = train._DivergenceGuard('stop')
+    assert guard.check([(1, self.row()), (2, self.row())]) is None
+    reason = guard.check([(3, self.row()), (4, self.row(True, theta_norm=np.inf))])
+    assert reason == ('Training diverged at step 4: the norm of the generated weights (inf) '
+                      'became non-finite.')
+
+  def test_skip_goes_on_until_too_many_in_a_row(self):
+    guard = train._DivergenceGuard('skip')
+    bad = self.row(True, loss=np.nan)
+    limit = train.MAX_CONSECUTIVE_SKIPS
+    assert guard.check([(s, bad) for s in range(1, limit + 1)]) is None
+    assert guard.check([(limit + 1, self.row())]) is None  # A good step resets the count.
+    assert guard.check([(s, bad) for s in range(limit + 2, 2 * limit + 2)]) is None
+    reason = guard.check([(2 * limit + 2, bad)])
+    assert f'the {limit + 1} steps {limit + 2}..{2 * limit + 2} were all skipped' in reason
+    assert 'the loss (nan)' in reason
+
+
+# --------------------------------------------------------------------------
+# 4: environment errors.
+# --------------------------------------------------------------------------
+
+
+def test_full_disk_during_save_keeps_the_earlier_checkpoints(tmp_path, prepared_omniglot, env,
+                                                             reference):
+  workdir = copy_of(reference, tmp_path)
+  rc, log = run(env, workdir, prepared_omniglot, *OVERRIDES, '--config.train.num_steps=44',
+                limit_file_size=64 * 1024)
+  assert rc == 1, log[-3000:]
+  line = error_line(log, 'CheckpointError')
+  assert line.startswith(f'CheckpointError: Saving a checkpoint in {workdir}/checkpoints '
+                         'failed (File too large (errno 27)). The complete checkpoints there '
+                         '(steps 36, 40) are kept'), line
+  assert complete_steps(workdir) == [36, 40]  # keep_checkpoints=2 deleted neither.
+  restored = ocp.StandardCheckpointer().restore(os.path.join(workdir, 'checkpoints', '40',
+                                                             'default'))
+  assert int(restored['step']) == 40
+
+
+def tiny_config(**overrides):
+  config = omniglot_t2.get_config('tiny')
+  for dotted, value in overrides.items():
+    node = config
+    *path, leaf = dotted.split('.')
+    for name in path:
+      node = node[name]
+    node[leaf] = value
+  return config
+
+
+def test_checkpoint_of_another_config_is_refused_before_any_work(tmp_path):
+  workdir = str(tmp_path / 'work')
+  saved = tiny_config()
+  state = jax.eval_shape(lambda: train.init_state(
+      saved, models.build_hypertransformer(saved), train.make_optimizer(saved.optim),
+      jax.random.key(0), (16, 16, 1)))
+  state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), state)
+  manager = train.checkpoint_manager(workdir, saved)
+  manager.save(2, args=ocp.args.StandardSave(state))
+  manager.close()
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(saved.to_json_best_effort())
+  before = sorted(os.listdir(os.path.join(workdir, 'checkpoints', '2', 'default')))
+
+  # data_dir does not exist: the check comes before any data is read.
+  changed = tiny_config(**{'model.channels': 8, 'data.data_dir': str(tmp_path / 'none')})
+  with pytest.raises(train.CheckpointError) as error:
+    train.train_and_evaluate(changed, workdir)
+  message = str(error.value)
+  assert message.startswith(f'The checkpoint of step 2 in {workdir}/checkpoints was written '
+                            'by a different config: ')
+  assert ('params/block_0_activation_features/conv_0/bias has shape (4,) float32 in the '
+          'checkpoint but (8,) float32 in this config') in message
+  assert 'model.channels 4 -> 8' in message
+  assert 'the checkpoints are left untouched' in message
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints', '2', 'default'))) == before
+  assert not (tmp_path / 'none').exists()
+
+
+def test_unwritable_workdir(tmp_path):
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('')
+  config = tiny_config(**{'data.data_dir': str(tmp_path / 'none')})
+  with pytest.raises(train.WorkdirError, match=re.escape(
+      f'Cannot write to {blocker}/work (NotADirectoryError: Not a directory). Choose '
+      'another --workdir')):
+    train.train_and_evaluate(config, str(blocker / 'work'))
+  if os.geteuid() != 0:  # root may write anywhere.
+    read_only = tmp_path / 'read_only'
+    read_only.mkdir(mode=0o500)
+    with pytest.raises(train.WorkdirError, match='Permission denied'):
+      train.train_and_evaluate(config, str(read_only))
+  assert not (tmp_path / 'none').exists()
+
+
+def test_no_archives_and_no_network_fails_at_once(tmp_path, monkeypatch):
+  monkeypatch.setattr(omniglot, '_unreachable', lambda urls: 'no route to host')
+  start_time = time.time()
+  with pytest.raises(omniglot.DataError, match='No Omniglot archives in .*, and no network '
+                     r'to download them \(no route to host\). Put the four Omniglot archives'):
+    omniglot.prepare_omniglot(str(tmp_path / 'tfds'), None)
+  assert time.time() - start_time < 30
+
+
+def test_network_probe(monkeypatch):
+  import urllib.error  # pylint: disable=g-import-not-at-top
+  import urllib.request  # pylint: disable=g-import-not-at-top
+
+  def offline(request, timeout):
+    raise urllib.error.URLError('Name or service not known')
+  monkeypatch.setattr(urllib.request, 'urlopen', offline)
+  assert omniglot._unreachable(['https://a', 'https://b']) == (
+      'https://a: Name or service not known; https://b: Name or service not known')
+
+  def not_found(request, timeout):
+    raise urllib.error.HTTPError(request.full_url, 404, 'Not Found', None, None)
+  monkeypatch.setattr(urllib.request, 'urlopen', not_found)
+  assert omniglot._unreachable(['https://a']) is None  # A server answered.
+
+
+def test_corrupt_prepared_dataset(tmp_path, prepared_omniglot):
+  data_dir = tmp_path / 'tfds'
+  shutil.copytree(os.path.join(prepared_omniglot, 'omniglot'), data_dir / 'omniglot')
+  (record,) = glob.glob(str(data_dir / 'omniglot' / '*' / 'omniglot-train.tfrecord*'))
+  with open(record, 'r+b') as f:
+    f.seek(1000)
+    f.write(b'\0' * 64)
+  with pytest.raises(omniglot.DataError, match=r"cannot be read \(split 'train': "
+                     r'DataLossError.*Delete that folder and run again'):
+    omniglot.load_omniglot(str(data_dir), None, image_size=16)
+
+
+# --------------------------------------------------------------------------
+# Metrics log.
+# --------------------------------------------------------------------------
+
+
+def test_metrics_log_drops_what_the_resumed_run_logs_again(tmp_path):
+  rows = [{'step': 2, 'split': 'train'}, {'step': 4, 'split': 'validation'},
+          {'step': 4, 'split': 'test'}, {'step': 6, 'split': 'train'}]
+  path = tmp_path / 'metrics.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in rows) + '{"step": 8, "spl')
+  log = train.MetricsLog(str(tmp_path))
+  log.drop_after(4)
+  log.close()
+  assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]
