@@ -5,7 +5,14 @@ r"""Entry point: meta-train a Continual HyperTransformer.
       --config.data.manual_dir=../shared/data/omniglot --config.train.episodes_per_step=8
 
 A workdir that already holds checkpoints is resumed from the latest one.
+
+Evaluation (the paper's protocol on a checkpoint; cht_jax/evaluate.py):
+
+  python -m cht_jax.main --mode=eval --config=configs/omniglot_t5.py --workdir=/tmp/cht_t5 \
+      [--eval_tasks=5] [--checkpoint_step=N] [--eval_split=test]
 """
+
+import sys
 
 from absl import app
 from absl import flags
@@ -13,11 +20,34 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from cht_jax import config_validation
+from cht_jax import evaluate
 from cht_jax import train
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and logs go.')
-flags.DEFINE_enum('mode', 'train', ['train'], 'What to run.')
+flags.DEFINE_enum('mode', 'train', ['train', 'eval'],
+                  'train, or eval: the evaluation protocol on a checkpoint of --workdir.')
+# --mode=eval (defaults: the paper's protocol; see cht_jax/evaluate.py).
+flags.DEFINE_integer('checkpoint_step', None, 'Checkpoint step to evaluate; default latest.')
+flags.DEFINE_integer('eval_tasks', None, 'T_eval, tasks per episode; default the '
+                     "config's episode.num_tasks (more extrapolates).")
+flags.DEFINE_enum('eval_split', 'test', ['test', 'validation'], 'Classes to evaluate on.')
+flags.DEFINE_integer('eval_episodes', 1024, 'Evaluation episodes.')
+flags.DEFINE_integer('eval_query_draws', 16, 'Query draws per episode (same support set).')
+flags.DEFINE_integer('eval_queries_per_class', None, 'Queries per class in each draw; '
+                     "default the config's episode.queries_per_class.")
+flags.DEFINE_integer('eval_seed', evaluate.DEFAULT_SEED, 'Seed of the evaluation episodes.')
+flags.DEFINE_integer('eval_batch_size', 8, 'Episodes per compiled call (memory only).')
+flags.DEFINE_enum('eval_embeddings', None, ['umap', 'pca'], 'Also plot prototypes and '
+                  'queries of one episode in 2-D (umap needs umap-learn).')
+# Multi-host: every process runs the same command; jax.distributed finds the
+# others from these flags or from the cluster (SLURM, Open MPI, Cloud TPU).
+flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() first.')
+flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 (default: '
+                    'from the cluster environment).')
+flags.DEFINE_integer('num_processes', None, 'Number of processes (default: from the cluster).')
+flags.DEFINE_integer('process_id', None, 'This process (default: from the cluster).')
 config_flags.DEFINE_config_file('config', None, 'A config file (see configs/).',
                                 lock_config=True)
 flags.mark_flags_as_required(['config', 'workdir'])
@@ -26,12 +56,32 @@ flags.mark_flags_as_required(['config', 'workdir'])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if FLAGS.distributed:
+    jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
+                               num_processes=FLAGS.num_processes,
+                               process_id=FLAGS.process_id)
   logging.info('JAX %s, process %d/%d, devices: %s', jax.__version__,
                jax.process_index(), jax.process_count(), jax.devices())
-  logging.info('Config:\n%s', FLAGS.config)
-  train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  try:
+    config = config_validation.validate(FLAGS.config)
+    logging.info('Config:\n%s', config)
+    if FLAGS.mode == 'eval':
+      evaluate.evaluate_checkpoint(
+          config, FLAGS.workdir, step=FLAGS.checkpoint_step, num_tasks=FLAGS.eval_tasks,
+          split=FLAGS.eval_split, num_episodes=FLAGS.eval_episodes,
+          num_query_draws=FLAGS.eval_query_draws,
+          queries_per_class=FLAGS.eval_queries_per_class, seed=FLAGS.eval_seed,
+          batch_size=FLAGS.eval_batch_size, embeddings=FLAGS.eval_embeddings)
+    else:
+      train.train_and_evaluate(config, FLAGS.workdir)
+  except evaluate.USER_ERRORS as e:  # Their message says what is wrong and what to do.
+    print(f'{type(e).__name__}: {e}', file=sys.stderr)
+    return 1
+  except train.Preempted as e:
+    print(f'Preempted: {e}', file=sys.stderr)
+    return train.PREEMPTED_EXIT_CODE
 
 
 if __name__ == '__main__':
   jax.config.config_with_absl()
-  app.run(main)
+  app.run(main, flags_parser=config_validation.flags_parser)

@@ -202,3 +202,54 @@ def sample_episodes(key: jax.Array, class_images: jax.Array,
   keys = jax.random.split(key, num_episodes)
   return jax.vmap(lambda k: sample_episode(k, class_images, spec, rotate))(
       keys)
+
+
+def sample_evaluation_episode(key: jax.Array, class_images: jax.Array,
+                              spec: EpisodeSpec,
+                              num_query_draws: int) -> dict[str, jax.Array]:
+  """One evaluation episode: a fixed support set and R query draws (no augmentation).
+
+  The paper's protocol (DESIGN.md 1.5) runs every episode R times with
+  different query samples on the same support set. Each draw takes
+  Q = spec.queries_per_class images per class from the M - N images that are
+  not in the support set: distinct within a draw, never a support image, but
+  draws may overlap each other.
+
+  Args:
+    key: PRNG key.
+    class_images: uint8 [C, M, H, W, D], the images of one split.
+    spec: the episode spec (static); needs N + Q <= M.
+    num_query_draws: R (static).
+
+  Returns:
+    'support_images': float32 [T, K*N, H, W, D], normalized;
+    'support_labels': int32 [T, K*N];
+    'query_images': float32 [R, T, K*Q, H, W, D];
+    'query_labels': int32 [T, K*Q], the same for every draw;
+    'class_ids': int32 [T, K].
+  """
+  validate_spec(spec, class_images.shape)
+  if num_query_draws < 1:
+    raise ValueError(f'num_query_draws must be >= 1, got {num_query_draws}.')
+  num_classes, num_images, height, width, depth = class_images.shape
+  t, k, n, q = (spec.num_tasks, spec.ways, spec.shots, spec.queries_per_class)
+  class_key, support_key, query_key = jax.random.split(key, 3)
+  class_ids = _draw_classes(class_key, num_classes, spec)
+  support_ids = _random_subset(support_key, (t, k), num_images, n)  # [T, K, N]
+  # Each draw: the top-Q of uniform scores, with the support images scored -1.
+  scores = jax.random.uniform(query_key, (num_query_draws, t, k, num_images))
+  in_support = jnp.any(
+      support_ids[..., None] == jnp.arange(num_images), axis=-2)  # [T, K, M]
+  scores = jnp.where(in_support, -1.0, scores)
+  query_ids = jax.lax.top_k(scores, q)[1].astype(jnp.int32)  # [R, T, K, Q]
+  images = jnp.asarray(class_images)
+  support = normalize(images[class_ids[..., None], support_ids])
+  queries = normalize(images[class_ids[..., None], query_ids])
+  return {
+      'support_images': support.reshape(t, k * n, height, width, depth),
+      'support_labels': _labels(spec, n),
+      'query_images': queries.reshape(num_query_draws, t, k * q, height, width,
+                                      depth),
+      'query_labels': _labels(spec, q),
+      'class_ids': class_ids,
+  }

@@ -1,0 +1,203 @@
+"""Generate and update a CNN from your own few examples with a trained CHT.
+
+No training: the HyperTransformer of a checkpoint writes the CNN's weights
+from a labelled support set, and rewrites them for each new task from the
+new support set and the weights it wrote before (DESIGN.md 1.1, 1.4).
+
+  from cht_jax import api
+  model = api.load_model('workdirs/omniglot_t5')   # the training workdir
+  theta, prototypes = api.learn_task(model, images_0, labels_0)                    # task 0
+  theta, prototypes = api.learn_task(model, images_1, labels_1, theta, prototypes)  # task 1
+  labels = api.classify(model, theta, prototypes, query_images, task=0)  # task-incremental
+  tasks, labels = api.classify(model, theta, prototypes, query_images)   # class-incremental
+
+Images are [N, H, W, C] (or [N, H, W] for one channel) of the model's size
+(Omniglot configs: 28 x 28 x 1): uint8 0..255 (normalised here as in
+training, x / 128 - 1) or float32 already normalised. Labels are 0..K-1, K
+the model's `episode.ways`; any number of shots per class.
+
+The CNN normalises each batch with that batch's own statistics (BatchNorm
+without running averages, as in the paper): classify batches that look like
+the query sets of training (e.g. a few images of each of several classes),
+not single images.
+"""
+
+import functools
+import json
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from cht_jax import continual
+from cht_jax import evaluate
+from cht_jax import losses
+from cht_jax import models
+from cht_jax.data import episodes as episodes_lib
+from cht_jax.models import hypertransformer as ht_lib
+
+
+class Model(NamedTuple):
+  """A trained HyperTransformer.
+
+  Attributes:
+    ht: the weight generator (`ht.cnn` is the generated CNN).
+    params: its parameters.
+    image_shape: (H, W, C) of the images it takes.
+    step: the training step of the checkpoint (None if not from one).
+  """
+  ht: ht_lib.HyperTransformer
+  params: Any
+  image_shape: tuple[int, int, int]
+  step: int | None = None
+
+  @property
+  def num_ways(self) -> int:
+    return self.ht.num_ways
+
+
+class Memory(NamedTuple):
+  """What the model keeps after learning tasks 0..t.
+
+  Attributes:
+    theta: theta_t, the CNN's parameters (a pytree of `ht.cnn`).
+    prototypes: [t+1, K, D]; row tau computed with theta_tau, then frozen.
+  """
+  theta: Any
+  prototypes: jax.Array
+
+
+def model_from_params(config: ml_collections.ConfigDict, params: Any,
+                      step: int | None = None) -> Model:
+  """A `Model` of `config` with the given HyperTransformer parameters."""
+  size = config.data.image_size
+  return Model(models.build_hypertransformer(config), params, (size, size, 1), step)
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config training saved as `<workdir>/config.json`."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f'{path} not found: pass the config the model was trained with, e.g. '
+        "load_model(workdir, omniglot_t5.get_config()) with configs/omniglot_t5.py.")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def load_model(workdir: str, config: ml_collections.ConfigDict | None = None,
+               step: int | None = None) -> Model:
+  """Loads the HyperTransformer of a training workdir's checkpoint.
+
+  Args:
+    workdir: the `--workdir` of training.
+    config: the config it was trained with (e.g. `configs/omniglot_t5.py`'s
+      `get_config()`, with the same overrides); None for the copy training
+      saved in `<workdir>/config.json`.
+    step: the checkpoint step; None for the latest.
+
+  Raises:
+    train.CheckpointError: no checkpoint, or one of another config.
+  """
+  if config is None:
+    config = load_config(workdir)
+  params, step = evaluate.restore_params(workdir, config, step)
+  return model_from_params(config, params, step)
+
+
+def preprocess(model: Model, images) -> jax.Array:
+  """[N, H, W, C] (or [N, H, W]) uint8 or normalised float -> float32 [N, H, W, C]."""
+  images = jnp.asarray(images)
+  if images.ndim == 3:
+    images = images[..., None]
+  if images.ndim != 4 or tuple(images.shape[1:]) != tuple(model.image_shape):
+    raise ValueError(f'Images must be [N, {", ".join(map(str, model.image_shape))}] '
+                     f'for this model, got shape {tuple(images.shape)}. Resize them '
+                     '(Omniglot: bilinear to the config\'s data.image_size).')
+  if images.dtype == jnp.uint8:
+    return episodes_lib.normalize(images)
+  return images.astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _generate(ht, params, images, labels, theta_prev):
+  thetas, prototypes = continual.generate_thetas(
+      ht, params, images[None], labels[None], theta_init=theta_prev, remat=False)
+  return jax.tree.map(lambda leaf: leaf[0], thetas), prototypes[0]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _embed(cnn, theta, images):
+  return cnn.apply({'params': theta}, images)
+
+
+def learn_task(model: Model, support_images, support_labels, theta: Any = None,
+               prototypes: jax.Array | None = None) -> Memory:
+  """theta_t and the prototypes of tasks 0..t from the support set of task t.
+
+  Args:
+    model: from `load_model`.
+    support_images: [S, H, W, C] (see the module docstring).
+    support_labels: int [S] in 0..K-1.
+    theta, prototypes: what `learn_task` returned for the previous task;
+      None for the first task.
+
+  Returns:
+    Memory(theta_t, prototypes [t+1, K, D]), which unpacks as a pair.
+  """
+  if (theta is None) != (prototypes is None):
+    raise ValueError('Pass both theta and prototypes of the earlier tasks, or neither.')
+  images = preprocess(model, support_images)
+  labels = jnp.asarray(support_labels, jnp.int32)
+  if labels.shape != images.shape[:1]:
+    raise ValueError(f'support_labels must be [{images.shape[0]}], got {labels.shape}.')
+  found = np.unique(np.asarray(labels))
+  if found.min() < 0 or found.max() >= model.num_ways:
+    raise ValueError(f'support_labels must be in 0..{model.num_ways - 1} '
+                     f'(the model is {model.num_ways}-way), got {found.tolist()}.')
+  if theta is None:
+    theta = ht_lib.zeros_theta(model.ht.cnn, model.image_shape)
+  # Placed like the parameters, so that theta_{-1} and a generated theta (an
+  # output, placed) hit the same compiled function.
+  theta = jax.device_put(theta, jax.tree.leaves(model.params)[0].sharding)
+  new_theta, new_prototypes = _generate(model.ht, model.params, images, labels, theta)
+  if prototypes is not None:
+    new_prototypes = jnp.concatenate([prototypes, new_prototypes[None]], axis=0)
+  else:
+    new_prototypes = new_prototypes[None]
+  return Memory(new_theta, new_prototypes)
+
+
+def embed(model: Model, theta: Any, images) -> jax.Array:
+  """f_theta(images): [N, D] embeddings (one BatchNorm batch)."""
+  return _embed(model.ht.cnn, theta, preprocess(model, images))
+
+
+def classify(model: Model, theta: Any, prototypes: jax.Array, images,
+             task: int | None = None):
+  """Predicts labels with the nearest prototype (eq. 5 and 6).
+
+  Args:
+    model: from `load_model`.
+    theta, prototypes: from `learn_task` (after tasks 0..t).
+    images: [N, H, W, C], classified as one batch.
+    task: a task id tau <= t for task-incremental prediction (the K classes
+      of task tau); None for class-incremental (all classes of tasks 0..t).
+
+  Returns:
+    task given: int32 [N] labels in 0..K-1.
+    task None: (tasks int32 [N], labels int32 [N]).
+  """
+  embeddings = embed(model, theta, images)
+  num_tasks, num_ways = prototypes.shape[:2]
+  if task is not None:
+    if not 0 <= task < num_tasks:
+      raise ValueError(f'task must be in 0..{num_tasks - 1} (the tasks learnt so far), '
+                       f'got {task}.')
+    return jnp.argmax(losses.task_incremental_logits(embeddings, prototypes, task), axis=-1)
+  logits = losses.class_incremental_logits(embeddings, prototypes, num_tasks - 1)
+  best = jnp.argmax(logits, axis=-1)
+  return best // num_ways, best % num_ways

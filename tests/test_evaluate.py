@@ -1,0 +1,412 @@
+"""Evaluation protocol, checkpoint restore, result files, figures and the library API."""
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from cht_jax import api
+from cht_jax import continual
+from cht_jax import evaluate
+from cht_jax import models
+from cht_jax import plots
+from cht_jax import train
+from cht_jax.data import episodes
+from configs import omniglot_t2
+
+from conftest import REPO_ROOT
+
+
+def tiny_config(**overrides):
+  config = omniglot_t2.get_config('tiny')  # T=2, 3-way 1-shot, 16x16 images.
+  for dotted, value in overrides.items():
+    *path, leaf = dotted.split('.')
+    node = config
+    for name in path:
+      node = node[name]
+    node[leaf] = value
+  return config
+
+
+def class_images(num_classes=12, images_per_class=8, size=16, seed=0):
+  """uint8 [C, M, H, W, 1]: a random template per class plus per-image noise."""
+  rng = np.random.default_rng(seed)
+  templates = rng.integers(0, 256, (num_classes, 1, size, size, 1))
+  noise = rng.integers(-40, 40, (num_classes, images_per_class, size, size, 1))
+  return np.clip(templates + noise, 0, 255).astype(np.uint8)
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+  """A tiny model's TrainState, checkpointed with training's own manager at step 3.
+
+  (Parameters from initialisation: compiling a training step would double the
+  time of this file, and test_main covers the checkpoints training writes.)
+  """
+  config = tiny_config()
+  ht = models.build_hypertransformer(config)
+  optimizer = train.make_optimizer(config.optim)
+  state = jax.jit(lambda key: train.init_state(config, ht, optimizer, key, (16, 16, 1)))(
+      jax.random.key(0))
+  state = state.replace(step=jnp.asarray(3, jnp.int32))
+  workdir = str(tmp_path_factory.mktemp('trained'))
+  save_checkpoint(workdir, config, state)
+  return config, workdir, state.params
+
+
+def save_checkpoint(workdir, config, state):
+  manager = train.checkpoint_manager(workdir, config)
+  manager.save(int(state.step), args=ocp.args.StandardSave(state))
+  manager.wait_until_finished()
+  manager.close()
+
+
+def small_protocol(config, **overrides):
+  # The same shapes everywhere: the compiled protocol is cached across tests.
+  values = dict(num_episodes=4, num_query_draws=2, batch_size=2, num_tasks=3)
+  values.update(overrides)
+  return evaluate.default_protocol(config, **values)
+
+
+# --------------------------------------------------------------------------
+# Episodes of the protocol.
+# --------------------------------------------------------------------------
+
+
+def test_query_draws_never_touch_the_support_set():
+  # Image m of class c is the constant c * 10 + m: its value names it.
+  num_classes, num_images = 20, 10
+  ids = np.arange(num_classes)[:, None] * 10 + np.arange(num_images)
+  images = np.broadcast_to(ids[:, :, None, None, None], (num_classes, num_images, 2, 2, 1))
+  spec = episodes.EpisodeSpec(num_tasks=3, ways=4, shots=2, queries_per_class=5)
+  episode = jax.jit(lambda k: episodes.sample_evaluation_episode(
+      k, jnp.asarray(images, jnp.uint8), spec, 6))(jax.random.key(0))
+  decode = lambda x: np.rint((np.asarray(x)[..., 0, 0, 0] + 1) * 128).astype(int)
+  support = decode(episode['support_images']).reshape(3, 4, 2)
+  queries = decode(episode['query_images']).reshape(6, 3, 4, 5)
+  assert episode['query_labels'].shape == (3, 20)
+  np.testing.assert_array_equal(episode['query_labels'][0], np.repeat(np.arange(4), 5))
+  class_ids = np.asarray(episode['class_ids'])
+  assert len(np.unique(class_ids)) == 12  # Disjoint tasks.
+  np.testing.assert_array_equal(support // 10, np.repeat(class_ids[..., None], 2, -1))
+  np.testing.assert_array_equal(queries // 10, np.broadcast_to(class_ids[..., None], queries.shape))
+  for t in range(3):
+    for k in range(4):
+      for r in range(6):
+        assert len(set(queries[r, t, k])) == 5  # Distinct within a draw...
+        assert not set(queries[r, t, k]) & set(support[t, k])  # ...never a support image.
+  assert len({tuple(queries[r].ravel()) for r in range(6)}) == 6  # The draws differ.
+
+
+# --------------------------------------------------------------------------
+# The protocol.
+# --------------------------------------------------------------------------
+
+
+def test_episode_accuracies_match_the_training_computation(trained):
+  config, _, params = trained
+  ht = models.build_hypertransformer(config)
+  spec = evaluate.evaluation_spec(config, small_protocol(config))
+  episode = episodes.sample_evaluation_episode(
+      jax.random.key(4), jnp.asarray(class_images()), spec, 2)
+  pairs = continual.TaskPairs.lower_triangle(3)
+  accuracies = jax.jit(
+      lambda p, e, v: evaluate.episode_accuracies(ht, p, e, pairs, v), static_argnums=2)
+  task_inc, class_inc = accuracies(params, episode, False)
+  vec_task, vec_class = accuracies(params, episode, True)
+
+  @jax.jit
+  def reference(params, episode):  # The functions training uses, draw by draw.
+    thetas, prototypes = continual.generate_thetas(
+        ht, params, episode['support_images'], episode['support_labels'])
+    expected = {'task_incremental': [], 'class_incremental': []}
+    for r in range(2):
+      embeddings = continual.embed_queries(ht, thetas, episode['query_images'][r], pairs)
+      for loss in expected:
+        expected[loss].append(continual.pair_losses(
+            loss, embeddings, episode['query_labels'], prototypes, pairs)[1])
+    return expected
+  expected = reference(params, episode)
+  for got, loss in ((task_inc, 'task_incremental'), (class_inc, 'class_incremental'),
+                    (vec_task, 'task_incremental'), (vec_class, 'class_incremental')):
+    np.testing.assert_allclose(got, np.mean(expected[loss], axis=0), atol=1e-6)
+  assert task_inc.shape == (6,)
+
+
+def test_episode_i_depends_only_on_the_seed_and_i(trained):
+  config, _, params = trained
+  ht = models.build_hypertransformer(config)
+  images = class_images()
+  results = []
+  for num_episodes in (4, 3):  # The last batch of the second is padded.
+    protocol = small_protocol(config, num_episodes=num_episodes)
+    spec = evaluate.evaluation_spec(config, protocol)
+    results.append(evaluate.run_protocol(ht, params, images, spec, protocol))
+  for name in ('task_incremental', 'class_incremental'):
+    a, b = results[0][name], results[1][name]
+    assert a.shape == (4, 3, 3) and b.shape == (3, 3, 3)
+    np.testing.assert_array_equal(a[:3], b)
+    assert not np.array_equal(a[0], a[1])
+    assert np.isnan(a[:, 0, 1]).all() and np.isfinite(a[:, 1, 0]).all()
+    assert ((a[:, 1, 0] >= 0) & (a[:, 1, 0] <= 1)).all()
+  assert results[0]['timing']['episodes_per_second'] > 0
+  # Task-incremental (K classes) is never harder than class-incremental (K*(t+1)).
+  ti, ci = results[0]['task_incremental'], results[0]['class_incremental']
+  assert (np.nan_to_num(ti) >= np.nan_to_num(ci)).all()
+
+
+def test_too_few_classes_is_a_clear_error(trained):
+  config, _, params = trained
+  protocol = small_protocol(config, num_tasks=5)  # 15 classes, 12 in the split.
+  with pytest.raises(evaluate.EvaluationError, match='--eval_tasks'):
+    evaluate.evaluate(config, params, protocol, class_images=class_images())
+  with pytest.raises(evaluate.EvaluationError, match='num_episodes'):
+    small_protocol(config, num_episodes=0)
+
+
+# --------------------------------------------------------------------------
+# Checkpoints.
+# --------------------------------------------------------------------------
+
+
+def test_restore_reproduces_predictions_bit_for_bit(trained):
+  config, workdir, params = trained
+  restored, step = evaluate.restore_params(workdir, config)
+  assert step == 3
+  jax.tree.map(np.testing.assert_array_equal, restored, params)
+  ht = models.build_hypertransformer(config)
+  protocol = small_protocol(config)
+  spec = evaluate.evaluation_spec(config, protocol)
+  images = class_images()
+  before = evaluate.run_protocol(ht, params, images, spec, protocol)
+  after = evaluate.run_protocol(ht, restored, images, spec, protocol)
+  for name in ('task_incremental', 'class_incremental'):
+    np.testing.assert_array_equal(before[name], after[name])
+  # And through the library API: weights, prototypes, embeddings, labels.
+  support = images[:3, 0]
+  live = api.learn_task(api.model_from_params(config, params), support, np.arange(3))
+  model = api.load_model(workdir, config)
+  loaded = api.learn_task(model, support, np.arange(3))
+  jax.tree.map(np.testing.assert_array_equal, loaded, live)
+  queries = images[:3, 1:4].reshape(-1, 16, 16, 1)
+  np.testing.assert_array_equal(api.embed(model, loaded.theta, queries),
+                                api.embed(model, live.theta, queries))
+
+
+def test_checkpoint_errors_are_clear(tmp_path, trained):
+  config, workdir, _ = trained
+  with pytest.raises(train.CheckpointError, match='No checkpoint.*--workdir'):
+    evaluate.restore_params(str(tmp_path / 'empty'), config)
+  with pytest.raises(train.CheckpointError, match=r'step 7.*\[3\]'):
+    evaluate.restore_params(workdir, config, step=7)
+  wider = tiny_config(**{'model.channels': 6})
+  with pytest.raises(train.CheckpointError, match=r'does not fit.*params/.*config\.json'):
+    evaluate.restore_params(workdir, wider)
+  # Only the parameters must fit: another optimiser restores.
+  params, _ = evaluate.restore_params(workdir, tiny_config(**{'optim.name': 'sgd'}))
+  assert params is not None
+
+
+# --------------------------------------------------------------------------
+# Result files and figures.
+# --------------------------------------------------------------------------
+
+
+def test_every_report_file_for_a_tiny_model(tmp_path, trained):
+  config, workdir, params = trained
+  protocol = small_protocol(config)
+  results = evaluate.evaluate(config, params, protocol, class_images=class_images())
+  results.update(method='CHT', workdir=workdir, step=3)
+  prefix = evaluate.result_prefix(str(tmp_path), protocol, 3)
+  assert prefix.endswith(os.path.join('eval', 'test_T3_step3'))
+  paths = evaluate.write_results(results, prefix)
+  assert [os.path.splitext(p)[1] for p in paths] == ['.json', '.csv', '.md', '.png']
+  assert all(os.path.getsize(p) > 0 for p in paths)
+
+  with open(paths[0]) as f:
+    saved = json.load(f)
+  assert saved['num_tasks'] == 3 and saved['trained_tasks'] == 2
+  assert saved['protocol']['num_query_draws'] == 2
+  assert saved['task_incremental']['mean'][0][1] is None  # Above the diagonal.
+  assert saved['table']['columns'] == ['0', '0-1', '0-2']
+  ci_table = saved['table']['class_incremental']['mean']
+  cumulative = saved['class_incremental_cumulative']['mean']
+  assert ci_table == pytest.approx([cumulative[t][t] for t in range(3)])
+  summaries = saved['summaries']
+  assert summaries['evaluated']['num_tasks'] == 3 and summaries['trained']['num_tasks'] == 2
+  assert summaries['evaluated']['class_incremental']['average_accuracy'] == pytest.approx(
+      ci_table[2])
+
+  with open(paths[1]) as f:
+    rows = list(csv.DictReader(f))
+  assert len(rows) == 3 * 6  # Three matrices, T(T+1)/2 entries each.
+  extrapolated = {(r['matrix'], r['theta'], r['task']): r['extrapolated'] for r in rows}
+  assert extrapolated[('task_incremental', '2', '0')] == '1'
+  assert extrapolated[('task_incremental', '1', '1')] == '0'
+  assert {r['task_name'] for r in rows if r['matrix'].endswith('cumulative')} == {
+      '0', '0-1', '0-2'}
+
+  with open(paths[2]) as f:
+    markdown = f.read()
+  assert '| Method | 0 | 0-1 | 0-2 |' in markdown
+  assert '| CHT (T=2) |' in markdown and '†' in markdown
+  assert 'Forgetting' in markdown
+
+
+def test_figure_from_several_results_with_baselines(tmp_path, trained):
+  config, _, params = trained
+  files = []
+  for trained_tasks in (1, 2):
+    results = evaluate.evaluate(tiny_config(**{'episode.num_tasks': trained_tasks}), params,
+                                small_protocol(config),
+                                class_images=class_images())
+    files.append(evaluate.write_results(results, str(tmp_path / f't{trained_tasks}'),
+                                        plot=False)[0])
+  baseline = tmp_path / 'constpn.json'
+  baseline.write_text(json.dumps({'method': 'ConstPN', 'table': {
+      'task_incremental': {'mean': [0.5, 0.5, 0.5]},
+      'class_incremental': {'mean': [0.5, 0.3, 0.2]}}}))
+  output = tmp_path / 'figure.png'
+  command = [sys.executable, '-m', 'cht_jax.plots', f'--results={",".join(files)}',
+             f'--baselines={baseline}', f'--output={output}']
+  result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert output.stat().st_size > 10_000
+
+
+def test_embedding_report(tmp_path, trained):
+  config, _, params = trained
+  protocol = small_protocol(config)
+  path = evaluate.embedding_report(config, params, protocol, str(tmp_path / 'pca.png'), 'pca',
+                                   class_images=class_images())
+  assert os.path.getsize(path) > 10_000
+  umap_path = evaluate.embedding_report(config, params, protocol, str(tmp_path / 'umap.png'),
+                                        'umap', class_images=class_images())
+  try:
+    import umap  # pylint: disable=g-import-not-at-top,unused-import
+    assert umap_path and os.path.exists(umap_path)
+  except ImportError:
+    assert umap_path is None  # Skipped with a warning: umap-learn is optional.
+
+
+def test_procrustes_alignment_undoes_a_similarity_map():
+  rng = np.random.default_rng(0)
+  target = rng.normal(size=(10, 2))
+  angle = 0.7
+  rotation = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
+  moved = 2.5 * target @ rotation + np.array([3.0, -1.0])
+  aligned = plots.procrustes_align(moved, moved[:4], target[:4])  # Four anchors suffice.
+  np.testing.assert_allclose(aligned, target, atol=1e-9)
+
+
+# --------------------------------------------------------------------------
+# Library API.
+# --------------------------------------------------------------------------
+
+
+def test_api_learns_task_by_task_like_the_scan(trained):
+  config, _, params = trained
+  model = api.model_from_params(config, params)
+  spec = evaluate.evaluation_spec(config, small_protocol(config))
+  episode = episodes.sample_evaluation_episode(
+      jax.random.key(2), jnp.asarray(class_images()), spec, 1)
+  thetas, prototypes = continual.generate_thetas(
+      model.ht, params, episode['support_images'], episode['support_labels'])
+  theta, protos = None, None
+  for t in range(3):
+    theta, protos = api.learn_task(model, episode['support_images'][t],
+                                   episode['support_labels'][t], theta, protos)
+  assert protos.shape == prototypes.shape
+  np.testing.assert_allclose(protos, prototypes, rtol=1e-5, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b[-1], rtol=1e-5, atol=1e-5),
+               theta, thetas)
+
+  queries = episode['query_images'][0, 1]  # Task 1, labels 0..K-1.
+  labels = api.classify(model, theta, protos, queries, task=1)
+  assert labels.shape == (6,) and labels.dtype == jnp.int32
+  tasks, labels = api.classify(model, theta, protos, queries)
+  assert tasks.shape == labels.shape == (6,)
+  assert int(tasks.max()) <= 2 and int(labels.max()) <= 2
+
+
+def test_api_errors_name_the_problem(trained):
+  config, _, params = trained
+  model = api.model_from_params(config, params)
+  images = class_images()[:3, 0]
+  with pytest.raises(ValueError, match=r'\[N, 16, 16, 1\]'):
+    api.learn_task(model, np.zeros((3, 28, 28, 1), np.uint8), np.arange(3))
+  with pytest.raises(ValueError, match=r'0\.\.2'):
+    api.learn_task(model, images, np.array([0, 1, 5]))
+  theta, protos = api.learn_task(model, images, np.arange(3))
+  with pytest.raises(ValueError, match='both'):
+    api.learn_task(model, images, np.arange(3), theta=theta)
+  with pytest.raises(ValueError, match='task must be in 0..0'):
+    api.classify(model, theta, protos, images, task=1)
+
+
+# --------------------------------------------------------------------------
+# End to end: python -m cht_jax.main --mode=eval on real Omniglot.
+# --------------------------------------------------------------------------
+
+
+def run_eval(workdir, data_dir, *flags):
+  command = [sys.executable, '-m', 'cht_jax.main', '--mode=eval',
+             '--config=configs/omniglot_t2.py:tiny', f'--workdir={workdir}',
+             f'--config.data.data_dir={data_dir}', *flags]
+  return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
+  config, _, params = trained
+  workdir = str(tmp_path / 'work')
+  result = run_eval(workdir, prepared_omniglot)
+  assert result.returncode == 1
+  assert 'CheckpointError: No checkpoint' in result.stderr
+  assert 'Traceback' not in result.stderr
+
+  optimizer = train.make_optimizer(config.optim)
+  for step in (2, 4):
+    save_checkpoint(workdir, config, train.TrainState(
+        step=jnp.asarray(step, jnp.int32), params=params, opt_state=optimizer.init(params)))
+  result = run_eval(workdir, prepared_omniglot, '--eval_tasks=3', '--eval_episodes=6',
+                    '--eval_query_draws=2', '--eval_batch_size=4', '--checkpoint_step=2')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'episodes/s' in result.stderr
+  prefix = os.path.join(workdir, 'eval', 'test_T3_step2')
+  for ext in ('.json', '.csv', '.md', '.png'):
+    assert os.path.getsize(prefix + ext) > 0
+  with open(prefix + '.json') as f:
+    saved = json.load(f)
+  assert saved['step'] == 2 and saved['num_episodes'] == 6
+  assert saved['episode']['ways'] == 3 and saved['episode']['num_tasks'] == 3
+  assert saved['config']['episode']['num_tasks'] == 2
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  assert any(r['split'] == 'eval_test_T3' and r['step'] == 2 for r in rows)
+
+  # The example script on Omniglot test classes, with the config training saves.
+  with pytest.raises(FileNotFoundError, match='config.json'):
+    api.load_model(workdir)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(tiny_config(**{'data.data_dir': prepared_omniglot}).to_json_best_effort())
+  model = api.load_model(workdir)
+  assert model.step == 4 and model.num_ways == 3
+  spec = importlib.util.spec_from_file_location(
+      'generate_weights', REPO_ROOT / 'examples' / 'generate_weights.py')
+  example = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(example)
+  test_images = train.load_dataset(api.load_config(workdir))['test']
+  lines = []
+  history = example.run(model, test_images, shots=1, num_tasks=3, queries_per_class=4,
+                        seed=0, log=lines.append)
+  assert len(history) == 3 and set(history[2]) >= {'task_0', 'task_2', 'class_incremental'}
+  assert all(0 <= v <= 1 for v in history[2].values() if v != history[2]['seconds'])
+  assert 'class-incremental on tasks 0..2' in lines[-1]
