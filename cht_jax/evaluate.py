@@ -191,11 +191,11 @@ def embed_query_draws(ht, thetas, query_images: jax.Array, pairs: continual.Task
                       vectorize: bool) -> jax.Array:
   """Embeds every query draw of every task with every theta_t, t >= tau.
 
-  The numbers of `continual.embed_queries` for each draw (each draw of Q(tau)
-  is a batch of its own for BatchNorm), with a loop structure chosen for
-  speed: on CPU, one pair and one draw at a time (`vectorize=False`) keeps
-  each batch in cache and runs ~3x faster than vmapping the pairs (measured,
-  docs/evaluation.md); accelerators want everything vmapped.
+  `continual.embed_queries` for each draw (each draw of Q(tau) is a batch of
+  its own for BatchNorm): on CPU, one draw and one pair at a time
+  (`vectorize=False`) keeps each batch in cache and runs ~3x faster than
+  vmapping them (measured, docs/evaluation.md); accelerators want everything
+  vmapped.
 
   Args:
     ht: the HyperTransformer (its `.cnn` is applied).
@@ -207,18 +207,11 @@ def embed_query_draws(ht, thetas, query_images: jax.Array, pairs: continual.Task
   Returns:
     [P, R, K*Q, D].
   """
-  apply = lambda theta, images: ht.cnn.apply({'params': theta}, images)
-  num_draws = query_images.shape[0]
-  pair_batch, draw_batch = (len(pairs.t), num_draws) if vectorize else (None, None)
-
-  def one_pair(pair):
-    t, tau = pair
-    theta = jax.tree.map(lambda leaf: leaf[t], thetas)
-    return jax.lax.map(lambda images: apply(theta, images), query_images[:, tau],
-                       batch_size=draw_batch)
-
-  return jax.lax.map(one_pair, (jnp.asarray(pairs.t), jnp.asarray(pairs.tau)),
-                     batch_size=pair_batch)
+  embed_draw = lambda images: continual.embed_queries(
+      ht, thetas, images, pairs, remat=False, vectorize=vectorize)
+  embeddings = jax.lax.map(embed_draw, query_images,
+                           batch_size=query_images.shape[0] if vectorize else None)
+  return jnp.swapaxes(embeddings, 0, 1)
 
 
 def episode_accuracies(ht, params, episode, pairs: continual.TaskPairs,

@@ -106,3 +106,14 @@ def test_class_prototypes_are_class_means():
   labels = jnp.array([0, 0, 1])
   np.testing.assert_allclose(losses.class_prototypes(embeddings, labels, 2),
                              [[2.0, 1.0], [10.0, 10.0]])
+
+
+def test_query_passes_looped_or_vectorized_agree(tiny_ht, tiny_params, tiny_episode):
+  thetas, _ = continual.generate_thetas(
+      tiny_ht, tiny_params, tiny_episode['support_images'], tiny_episode['support_labels'])
+  pairs = continual.TaskPairs.lower_triangle(3)
+  embed = lambda vectorize: continual.embed_queries(
+      tiny_ht, thetas, tiny_episode['query_images'], pairs, vectorize=vectorize)
+  looped, vectorized = embed(False), embed(True)
+  assert looped.shape == (6, 6, 5)  # 6 pairs, 3 ways x 2 queries, 5 dims.
+  np.testing.assert_allclose(looped, vectorized, rtol=1e-5, atol=1e-5)
