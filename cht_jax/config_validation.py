@@ -176,16 +176,16 @@ def _episode_problems(c: ml_collections.ConfigDict) -> list[str]:
   for split in splits:
     # Validation during training runs as many of the T tasks as its classes
     # allow (train.validation_tasks), so it needs one task's classes.
-    split_needed = needed if split == 'train' else ep.ways
+    split_needed, split_what = ((needed, what) if split == 'train' else
+                                (ep.ways, f'episode.ways = {ep.ways} classes per task'))
     if split_needed > sizes[split]:
       fix = ('lower episode.ways or episode.num_tasks, or use '
              "episode.task_classes='same'")
       if split == 'validation':
-        fix += (f', or set train.eval_every_steps=0 to skip validation during '
+        fix += (', or set train.eval_every_steps=0 to skip validation during '
                 'training (evaluate on the test split afterwards)')
       problems.append(
-          f'{what if split == "train" else f"episode.ways = {ep.ways} classes per task"} '
-          f'but the {split!r} split of data.split_scheme='
+          f'{split_what} but the {split!r} split of data.split_scheme='
           f'{c.data.split_scheme!r} has only {sizes[split]} classes: {fix}.')
   per_class = ep.shots + ep.queries_per_class
   if per_class > omniglot.IMAGES_PER_CLASS:

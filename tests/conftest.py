@@ -5,6 +5,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
@@ -23,6 +24,28 @@ def tiny_ht():
   return ht_lib.HyperTransformer(
       num_ways=TINY['ways'], channels=(4, 4, 4, 4), cnn_embedding_dim=5,
       embedding_dim=8, image_features=8, num_layers=1, num_heads=2)
+
+
+def tiny_config(**overrides):
+  """configs/omniglot_t2.py:tiny with dotted overrides: tiny_config(**{'optim.name': 'sgd'})."""
+  from configs import omniglot_t2  # pylint: disable=g-import-not-at-top
+  config = omniglot_t2.get_config('tiny')  # T=2, 3-way 1-shot, 16x16 images.
+  with config.unlocked():
+    for dotted, value in overrides.items():
+      node = config
+      *path, leaf = dotted.split('.')
+      for name in path:
+        node = node[name]
+      node[leaf] = value
+  return config
+
+
+def class_images(num_classes=12, images_per_class=20, size=16, seed=0):
+  """uint8 [C, M, H, W, 1]: a random template per class plus per-image noise."""
+  rng = np.random.default_rng(seed)
+  templates = rng.integers(0, 256, (num_classes, 1, size, size, 1))
+  noise = rng.integers(-40, 40, (num_classes, images_per_class, size, size, 1))
+  return np.clip(templates + noise, 0, 255).astype(np.uint8)
 
 
 def make_episode(key, num_tasks=TINY['num_tasks'], ways=TINY['ways'],

@@ -1,15 +1,14 @@
 """The benchmark runs and reports sane numbers (speed itself is not asserted here)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cht_jax import bench
-from configs import omniglot_t2
+from conftest import tiny_config
 
 
 def test_bench_config_reports_every_field():
-  config = omniglot_t2.get_config('tiny')
+  config = tiny_config()
   images = jnp.asarray(np.random.default_rng(0).integers(0, 256, (12, 20, 16, 16, 1), np.uint8))
   row = bench.bench_config(config, 2, images, min_seconds=0.0, matmul_rate=100.0)
   assert row['num_tasks'] == 2 and row['episodes_per_step'] == 2

@@ -5,25 +5,13 @@ import subprocess
 import sys
 
 from conftest import REPO_ROOT
+from conftest import tiny_config as tiny
 import ml_collections
 import pytest
 
 from cht_jax import config_validation
-from configs import omniglot_t2
 
 ConfigError = config_validation.ConfigError
-
-
-def tiny(**overrides):
-  config = omniglot_t2.get_config('tiny')
-  with config.unlocked():
-    for dotted, value in overrides.items():
-      node = config
-      *path, leaf = dotted.split('.')
-      for name in path:
-        node = node[name]
-      node[leaf] = value
-  return config
 
 
 @pytest.mark.parametrize('num_tasks', [1, 2, 3, 4, 5])

@@ -20,28 +20,8 @@ from cht_jax import models
 from cht_jax import plots
 from cht_jax import train
 from cht_jax.data import episodes
-from configs import omniglot_t2
 
-from conftest import REPO_ROOT
-
-
-def tiny_config(**overrides):
-  config = omniglot_t2.get_config('tiny')  # T=2, 3-way 1-shot, 16x16 images.
-  for dotted, value in overrides.items():
-    *path, leaf = dotted.split('.')
-    node = config
-    for name in path:
-      node = node[name]
-    node[leaf] = value
-  return config
-
-
-def class_images(num_classes=12, images_per_class=8, size=16, seed=0):
-  """uint8 [C, M, H, W, 1]: a random template per class plus per-image noise."""
-  rng = np.random.default_rng(seed)
-  templates = rng.integers(0, 256, (num_classes, 1, size, size, 1))
-  noise = rng.integers(-40, 40, (num_classes, images_per_class, size, size, 1))
-  return np.clip(templates + noise, 0, 255).astype(np.uint8)
+from conftest import REPO_ROOT, class_images, tiny_config
 
 
 @pytest.fixture(scope='module')
@@ -116,7 +96,7 @@ def test_episode_accuracies_match_the_training_computation(trained):
   ht = models.build_hypertransformer(config)
   spec = evaluate.evaluation_spec(config, small_protocol(config))
   episode = episodes.sample_evaluation_episode(
-      jax.random.key(4), jnp.asarray(class_images()), spec, 2)
+      jax.random.key(4), jnp.asarray(class_images(images_per_class=8)), spec, 2)
   pairs = continual.TaskPairs.lower_triangle(3)
   accuracies = jax.jit(
       lambda p, e, v: evaluate.episode_accuracies(ht, p, e, pairs, v), static_argnums=2)
@@ -144,7 +124,7 @@ def test_episode_accuracies_match_the_training_computation(trained):
 def test_episode_i_depends_only_on_the_seed_and_i(trained):
   config, _, params = trained
   ht = models.build_hypertransformer(config)
-  images = class_images()
+  images = class_images(images_per_class=8)
   results = []
   for num_episodes in (4, 3):  # The last batch of the second is padded.
     protocol = small_protocol(config, num_episodes=num_episodes)
@@ -167,7 +147,7 @@ def test_too_few_classes_is_a_clear_error(trained):
   config, _, params = trained
   protocol = small_protocol(config, num_tasks=5)  # 15 classes, 12 in the split.
   with pytest.raises(evaluate.EvaluationError, match='--eval_tasks'):
-    evaluate.evaluate(config, params, protocol, class_images=class_images())
+    evaluate.evaluate(config, params, protocol, class_images=class_images(images_per_class=8))
   with pytest.raises(evaluate.EvaluationError, match='num_episodes'):
     small_protocol(config, num_episodes=0)
 
@@ -185,7 +165,7 @@ def test_restore_reproduces_predictions_bit_for_bit(trained):
   ht = models.build_hypertransformer(config)
   protocol = small_protocol(config)
   spec = evaluate.evaluation_spec(config, protocol)
-  images = class_images()
+  images = class_images(images_per_class=8)
   before = evaluate.run_protocol(ht, params, images, spec, protocol)
   after = evaluate.run_protocol(ht, restored, images, spec, protocol)
   for name in ('task_incremental', 'class_incremental'):
@@ -223,7 +203,7 @@ def test_checkpoint_errors_are_clear(tmp_path, trained):
 def test_every_report_file_for_a_tiny_model(tmp_path, trained):
   config, workdir, params = trained
   protocol = small_protocol(config)
-  results = evaluate.evaluate(config, params, protocol, class_images=class_images())
+  results = evaluate.evaluate(config, params, protocol, class_images=class_images(images_per_class=8))
   results.update(method='CHT', workdir=workdir, step=3)
   prefix = evaluate.result_prefix(str(tmp_path), protocol, 3)
   assert prefix.endswith(os.path.join('eval', 'test_T3_step3'))
@@ -267,7 +247,7 @@ def test_figure_from_several_results_with_baselines(tmp_path, trained):
   for trained_tasks in (1, 2):
     results = evaluate.evaluate(tiny_config(**{'episode.num_tasks': trained_tasks}), params,
                                 small_protocol(config),
-                                class_images=class_images())
+                                class_images=class_images(images_per_class=8))
     files.append(evaluate.write_results(results, str(tmp_path / f't{trained_tasks}'),
                                         plot=False)[0])
   baseline = tmp_path / 'constpn.json'
@@ -286,10 +266,10 @@ def test_embedding_report(tmp_path, trained):
   config, _, params = trained
   protocol = small_protocol(config)
   path = evaluate.embedding_report(config, params, protocol, str(tmp_path / 'pca.png'), 'pca',
-                                   class_images=class_images())
+                                   class_images=class_images(images_per_class=8))
   assert os.path.getsize(path) > 10_000
   umap_path = evaluate.embedding_report(config, params, protocol, str(tmp_path / 'umap.png'),
-                                        'umap', class_images=class_images())
+                                        'umap', class_images=class_images(images_per_class=8))
   try:
     import umap  # pylint: disable=g-import-not-at-top,unused-import
     assert umap_path and os.path.exists(umap_path)
@@ -317,7 +297,7 @@ def test_api_learns_task_by_task_like_the_scan(trained):
   model = api.model_from_params(config, params)
   spec = evaluate.evaluation_spec(config, small_protocol(config))
   episode = episodes.sample_evaluation_episode(
-      jax.random.key(2), jnp.asarray(class_images()), spec, 1)
+      jax.random.key(2), jnp.asarray(class_images(images_per_class=8)), spec, 1)
   thetas, prototypes = continual.generate_thetas(
       model.ht, params, episode['support_images'], episode['support_labels'])
   theta, protos = None, None
@@ -340,7 +320,7 @@ def test_api_learns_task_by_task_like_the_scan(trained):
 def test_api_errors_name_the_problem(trained):
   config, _, params = trained
   model = api.model_from_params(config, params)
-  images = class_images()[:3, 0]
+  images = class_images(images_per_class=8)[:3, 0]
   with pytest.raises(ValueError, match=r'\[N, 16, 16, 1\]'):
     api.learn_task(model, np.zeros((3, 28, 28, 1), np.uint8), np.arange(3))
   with pytest.raises(ValueError, match=r'0\.\.2'):

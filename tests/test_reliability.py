@@ -16,17 +16,15 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, tiny_config
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from cht_jax import continual
 from cht_jax import models
 from cht_jax import train
 from cht_jax.data import omniglot
-from configs import omniglot_t2
 
 TINY = ['--config=configs/omniglot_t2.py:tiny', '--config.train.eval_every_steps=0']
 TMP = '*.orbax-checkpoint-tmp*'
@@ -290,17 +288,6 @@ def test_full_disk_during_save_keeps_the_earlier_checkpoints(tmp_path, prepared_
   restored = ocp.StandardCheckpointer().restore(os.path.join(workdir, 'checkpoints', '40',
                                                              'default'))
   assert int(restored['step']) == 40
-
-
-def tiny_config(**overrides):
-  config = omniglot_t2.get_config('tiny')
-  for dotted, value in overrides.items():
-    node = config
-    *path, leaf = dotted.split('.')
-    for name in path:
-      node = node[name]
-    node[leaf] = value
-  return config
 
 
 def test_checkpoint_of_another_config_is_refused_before_any_work(tmp_path):

@@ -8,26 +8,7 @@ import pytest
 
 from cht_jax import models
 from cht_jax import train
-from configs import omniglot_t2
-
-
-def tiny_config(**overrides):
-  config = omniglot_t2.get_config('tiny')
-  for dotted, value in overrides.items():
-    node = config
-    *path, leaf = dotted.split('.')
-    for name in path:
-      node = node[name]
-    node[leaf] = value
-  return config
-
-
-def class_images(num_classes=12, images_per_class=20, size=16, seed=0):
-  """uint8 [C, M, H, W, 1]: a random template per class plus per-image noise."""
-  rng = np.random.default_rng(seed)
-  templates = rng.integers(0, 256, (num_classes, 1, size, size, 1))
-  noise = rng.integers(-40, 40, (num_classes, images_per_class, size, size, 1))
-  return np.clip(templates + noise, 0, 255).astype(np.uint8)
+from conftest import class_images, tiny_config
 
 
 def make_state(config, key=0):
