@@ -33,7 +33,6 @@ import time
 from typing import Any
 
 from absl import logging
-from clu import metric_writers
 import flax
 import jax
 import jax.numpy as jnp
@@ -422,6 +421,9 @@ class MetricsLog:
   TRAINING_SPLITS = ('train', 'validation')  # The rows the training loop writes.
 
   def __init__(self, workdir: str):
+    # Imported here: clu's writers pull in TensorFlow, which the training step,
+    # the benchmark and the API do not need (a GPU image may not have it).
+    from clu import metric_writers  # pylint: disable=g-import-not-at-top
     self._is_main = jax.process_index() == 0
     self._writer = metric_writers.create_default_writer(
         workdir, just_logging=not self._is_main)
