@@ -135,25 +135,28 @@ def main(argv):
   class_images = jnp.asarray(np.random.default_rng(0).integers(
       0, 256, (FLAGS.num_classes, 20, size, size, 1), dtype=np.uint8))
   gflops = matmul_gflops()
-  rows = []
-  for num_tasks in FLAGS.tasks or [config.episode.num_tasks]:
-    config.episode.num_tasks = int(num_tasks)
-    rows += [bench_config(config, int(b), class_images, FLAGS.min_seconds, gflops)
-             for b in FLAGS.batch_sizes]
-  latency = generation_latency(config, class_images, FLAGS.min_seconds / 2)
   header = {'device': str(jax.devices()[0].device_kind), 'platform': jax.default_backend(),
             'num_devices': jax.device_count(), 'jax': jax.__version__,
-            'machine': platform.machine(), 'matmul_gflops': gflops,
-            'generation_latency_ms': latency * 1e3}
+            'machine': platform.machine(), 'matmul_gflops': gflops}
   print(f"device {header['device']} x{header['num_devices']} ({header['platform']}), "
         f"JAX {header['jax']}, fp32 matmul {gflops:.0f} GFLOP/s")
   print(f"{'T':>2} {'B':>3} {'compile s':>9} {'steps/s':>8} {'episodes/s':>10} "
-        f"{'of matmul':>9} {'eval ep/s':>9} {'sampling ep/s':>13} {'peak MB':>8}")
-  for r in rows:
-    print(f"{r['num_tasks']:>2} {r['episodes_per_step']:>3} {r['compile_s']:>9.1f} "
-          f"{r['steps_per_s']:>8.2f} {r['episodes_per_s']:>10.1f} "
-          f"{r['fraction_of_matmul_rate']:>9.1%} {r['forward_episodes_per_s']:>9.1f} "
-          f"{r['sampling_episodes_per_s']:>13.0f} {r['peak_memory_bytes'] / 2**20:>8.0f}")
+        f"{'of matmul':>9} {'eval ep/s':>9} {'sampling ep/s':>13} {'peak MB':>8}", flush=True)
+  rows = []
+  for num_tasks in FLAGS.tasks or [config.episode.num_tasks]:
+    config.episode.num_tasks = int(num_tasks)
+    for batch_size in FLAGS.batch_sizes:
+      # Each row is printed as soon as it is measured: a long run shows progress
+      # and a killed one keeps what it had.
+      r = bench_config(config, int(batch_size), class_images, FLAGS.min_seconds, gflops)
+      rows.append(r)
+      print(f"{r['num_tasks']:>2} {r['episodes_per_step']:>3} {r['compile_s']:>9.1f} "
+            f"{r['steps_per_s']:>8.2f} {r['episodes_per_s']:>10.1f} "
+            f"{r['fraction_of_matmul_rate']:>9.1%} {r['forward_episodes_per_s']:>9.1f} "
+            f"{r['sampling_episodes_per_s']:>13.0f} {r['peak_memory_bytes'] / 2**20:>8.0f}",
+            flush=True)
+  latency = generation_latency(config, class_images, FLAGS.min_seconds / 2)
+  header['generation_latency_ms'] = latency * 1e3
   print(f"generating theta for one new task: {header['generation_latency_ms']:.2f} ms")
   if FLAGS.output:
     with open(FLAGS.output, 'w') as f:
