@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 from absl import flags
 import ml_collections
 
+from cht_jax import continual
 from cht_jax import losses
 from cht_jax.data import episodes
 from cht_jax.data import omniglot
@@ -107,6 +108,7 @@ SCHEMA: dict[str, Check] = {
     'model.generate_bn': _boolean,
     'model.conv_impl': _choice(ops.CONV_IMPLS),
     'model.remat': _boolean,
+    'model.vectorize': _choice(continual.VECTORIZE_OPTIONS),
     'loss': _choice(losses.LOSSES),
     'optim.name': _choice(OPTIMIZERS),
     'optim.learning_rate': _number(0),

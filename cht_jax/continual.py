@@ -68,11 +68,22 @@ def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
   return thetas, prototypes
 
 
+VECTORIZE_OPTIONS = ('auto', 'vmap', 'loop')
+
+
 def default_vectorize() -> bool:
-  """Whether to vmap the per-pair query passes: on accelerators yes; on CPU a loop
-  (one 60-image batch at a time stays in cache) measured 1.4x faster for training
-  and ~3x for evaluation (docs/performance.md, docs/evaluation.md)."""
+  """Whether to vmap the per-pair query passes and the episodes of a batch: on
+  accelerators yes; on CPU a loop (one 60-image batch at a time stays in cache)
+  measured 1.4x faster for training and ~3x for evaluation (docs/performance.md,
+  docs/evaluation.md)."""
   return jax.default_backend() != 'cpu'
+
+
+def vectorize_option(option: str) -> bool:
+  """`model.vectorize` ('auto' | 'vmap' | 'loop') -> whether to vmap."""
+  if option not in VECTORIZE_OPTIONS:
+    raise ValueError(f'model.vectorize = {option!r}; expected one of {VECTORIZE_OPTIONS}.')
+  return default_vectorize() if option == 'auto' else option == 'vmap'
 
 
 def embed_queries(ht: ht_lib.HyperTransformer, thetas: Any, query_images: jax.Array,
@@ -115,7 +126,8 @@ def pair_losses(loss: str, query_embeddings: jax.Array, query_labels: jax.Array,
 
 
 def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
-                 loss: str = 'class_incremental', remat: bool = True):
+                 loss: str = 'class_incremental', remat: bool = True,
+                 vectorize: bool | None = None):
   """Algorithm 1 for one episode: sum over t of sum over tau <= t of L(Q(tau); theta_t).
 
   Each term is the mean over the queries of Q(tau) (as the original HT's
@@ -130,7 +142,8 @@ def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
   pairs = TaskPairs.lower_triangle(num_tasks)
   thetas, prototypes = generate_thetas(
       ht, ht_params, episode['support_images'], episode['support_labels'], remat=remat)
-  embeddings = embed_queries(ht, thetas, episode['query_images'], pairs, remat=remat)
+  embeddings = embed_queries(ht, thetas, episode['query_images'], pairs, remat=remat,
+                             vectorize=vectorize)
   cross_entropy, accuracy = pair_losses(
       loss, embeddings, episode['query_labels'], prototypes, pairs)
   final = pairs.t == num_tasks - 1

@@ -146,6 +146,38 @@ def batch_loss(ht, params, episodes, loss, remat):
   return metrics['loss'], metrics
 
 
+def batch_grads(loss_fn, params, episodes, num_shards: int, vectorize: bool):
+  """Mean gradient and metrics of `loss_fn(params, episode) -> (loss, metrics)` over a batch.
+
+  The batch [B, ...] is cut into `num_shards` rows of B / num_shards episodes,
+  one row per device of the mesh (the rows are vmapped, and the 'data'
+  sharding of the batch puts each row on its device). Within a row the
+  episodes are vmapped when `vectorize`, else looped (`lax.scan` summing the
+  gradients): on CPU one episode at a time stays in cache, where a vmapped
+  batch of generated CNNs does not (docs/performance.md).
+  """
+  def row_grads(row):
+    size = jax.tree.leaves(row)[0].shape[0]
+    if vectorize:
+      def mean_loss(p):
+        _, metrics = jax.vmap(lambda episode: loss_fn(p, episode))(row)
+        metrics = jax.tree.map(jnp.mean, metrics)
+        return metrics['loss'], metrics
+      return jax.grad(mean_loss, has_aux=True)(params)
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+    def accumulate(total, episode):
+      return jax.tree.map(jnp.add, total, grad_fn(params, episode)), None
+    first = jax.tree.map(lambda x: x[0], row)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         jax.eval_shape(grad_fn, params, first))
+    total, _ = jax.lax.scan(accumulate, zeros, row)
+    return jax.tree.map(lambda x: x / size, total)
+
+  rows = jax.tree.map(lambda x: x.reshape(num_shards, -1, *x.shape[1:]), episodes)
+  grads, metrics = jax.vmap(row_grads)(rows)
+  return jax.tree.map(lambda x: jnp.mean(x, axis=0), (grads, metrics))
+
+
 def make_train_step(config, ht, optimizer, mesh):
   """Returns jit(step)(state, class_images, key) -> (state, metrics).
 
@@ -158,14 +190,18 @@ def make_train_step(config, ht, optimizer, mesh):
   batch_sharding = jax.NamedSharding(mesh, jax.P('data'))
   schedule = learning_rate_schedule(config.optim)
 
-  def loss_fn(params, episodes):
-    return batch_loss(ht, params, episodes, config.loss, config.model.remat)
+  num_shards = mesh.shape['data']
+  vectorize = continual.vectorize_option(config.model.vectorize)
+
+  def loss_fn(params, episode):
+    return continual.episode_loss(ht, params, episode, config.loss, config.model.remat,
+                                  vectorize=vectorize)
 
   def train_step(state: TrainState, class_images, key):
     episodes = episodes_lib.sample_episodes(
         key, class_images, spec, config.train.episodes_per_step, rotate=config.data.rotate)
     episodes = jax.lax.with_sharding_constraint(episodes, batch_sharding)
-    grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params, episodes)
+    grads, metrics = batch_grads(loss_fn, state.params, episodes, num_shards, vectorize)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics['grad_norm'] = optax.tree.norm(grads)

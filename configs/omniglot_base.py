@@ -59,6 +59,9 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.model.generate_bn = False
   config.model.conv_impl = 'patches'  # or 'lax'; same numbers, see models/cnn.py.
   config.model.remat = True
+  # Pairs of (theta_t, Q(tau)) and the episodes of a batch: vmapped or looped.
+  # 'auto' loops on CPU (cache-friendly there) and vmaps on GPU/TPU.
+  config.model.vectorize = 'auto'
 
   config.loss = 'class_incremental'  # or 'task_incremental', 'cross_entropy'.
 

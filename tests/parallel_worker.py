@@ -2,6 +2,7 @@
 
 Takes one training step on the same global batch of episodes over a mesh of all N
 devices and over a mesh of one device, and prints the largest differences as JSON.
+argv: N, then `model.vectorize` ('vmap' or 'loop': how each device takes its episodes).
 """
 
 import json
@@ -33,6 +34,7 @@ def main():
   expected_devices = int(sys.argv[1])
   assert jax.device_count() == expected_devices, jax.devices()
   config = omniglot_t2.get_config('tiny')
+  config.model.vectorize = sys.argv[2]
   config.train.episodes_per_step = 8
   config.optim.name = 'sgd'  # Adam's first step is sign(g) * lr: it would amplify float noise.
   config.optim.learning_rate = 0.01

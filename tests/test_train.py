@@ -3,12 +3,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from cht_jax import continual
 from cht_jax import models
 from cht_jax import train
-from conftest import class_images, tiny_config
+from conftest import class_images, make_episode, tiny_config
 
 
 def make_state(config, key=0):
@@ -33,6 +35,23 @@ def test_a_few_steps_lower_the_loss():
   assert int(state.step) == 25
   assert np.all(np.isfinite(losses))
   assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_looped_and_vmapped_episodes_give_the_same_gradient(tiny_ht, tiny_params):
+  """`batch_grads` over 4 episodes: vmapped, looped, in 1 or 2 rows, and the plain mean."""
+  episodes = jax.vmap(make_episode)(jax.random.split(jax.random.key(5), 4))
+  loss_fn = lambda p, ep: continual.episode_loss(tiny_ht, p, ep, remat=False)
+  def mean_loss(p):
+    _, metrics = jax.vmap(lambda ep: loss_fn(p, ep))(episodes)
+    return jnp.mean(metrics['loss'])
+  expected = jax.grad(mean_loss)(tiny_params)
+  scale = optax.tree.norm(expected)
+  for num_shards in (1, 2):
+    for vectorize in (True, False):
+      grads, metrics = jax.jit(lambda p: train.batch_grads(
+          loss_fn, p, episodes, num_shards, vectorize))(tiny_params)
+      np.testing.assert_allclose(metrics['loss'], mean_loss(tiny_params), rtol=1e-5)
+      assert float(optax.tree.norm(jax.tree.map(jnp.subtract, grads, expected))) < 1e-4 * scale  # float32 sums in another order
 
 
 @pytest.mark.parametrize('name', ['sgd', 'momentum', 'adam'])
