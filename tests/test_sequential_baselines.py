@@ -260,3 +260,17 @@ def test_trains_and_evaluates_end_to_end(method, tmp_path):
     assert np.all((mean[np.tril_indices(2)] >= 0) & (mean[np.tril_indices(2)] <= 1))
   assert len(saved['table']['class_incremental']['mean']) == 2
   assert os.path.exists(paths[2])  # The Markdown table.
+
+
+def test_table1_configs_validate_and_name_bad_arguments():
+  from configs import baselines_table1  # pylint: disable=g-import-not-at-top
+  for arg in ('finetune,5', 'ewc,2,smoke', 'maml,5', 'maml,3,tiny'):
+    config = config_validation.validate(baselines_table1.get_config(arg), num_devices=1)
+    assert config.method == arg.split(',')[0]
+    assert config.episode.num_tasks == int(arg.split(',')[1])
+  with pytest.raises(ValueError, match='METHOD,T'):
+    baselines_table1.get_config('maml')
+  config = baselines_table1.get_config('ewc,2,tiny')
+  config.method = 'ewcc'
+  with pytest.raises(config_validation.ConfigError, match='method'):
+    config_validation.validate(config, num_devices=1)
