@@ -348,7 +348,9 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: evaluate_
   logging.info('Evaluating %s on %s: %s.', DISPLAY_NAMES[_method(config)], protocol.split,
                protocol)
   per_episode = run_protocol(config, params, class_images, protocol)
-  results = evaluate_lib.summarize(per_episode, trained_tasks=config.episode.num_tasks)
+  # Pretraining never sees a task sequence: no theta_t of fine-tuning or EWC extrapolates.
+  trained = config.episode.num_tasks if config.method == 'maml' else protocol.num_tasks
+  results = evaluate_lib.summarize(per_episode, trained_tasks=trained)
   results['protocol'] = dataclasses.asdict(protocol)
   results['episode'] = evaluate_lib.evaluation_spec(config, protocol)._asdict()
   results['timing'] = per_episode['timing']
