@@ -124,6 +124,20 @@ SCHEMA: dict[str, Check] = {
     'train.eval_every_steps': _integer(0),
     'train.eval_episodes': _integer(1),
     'train.on_divergence': _choice(ON_DIVERGENCE),
+    # Table 1 baselines (cht_jax/baselines; issue 4). 'method' picks the trainer.
+    'method': _choice(('cht', 'finetune', 'ewc', 'maml')),
+    'baseline.inner_steps': _integer(1),
+    'baseline.inner_learning_rate': _number(0),
+    'baseline.head_init': _choice(('zeros', 'glorot')),
+    'baseline.pretrain_batch_size': _integer(1),
+    'baseline.ewc_lambda': _number(0, inclusive=True),
+    'baseline.ewc_fisher': _choice(('empirical', 'true')),
+    'baseline.maml_learn_inner_lr': _boolean,
+    'baseline.maml_first_order_steps': _integer(0),
+    'baseline.maml_multi_step_loss': _boolean,
+    'baseline.maml_msl_anneal_steps': _integer(1),
+    'baseline.maml_cosine_annealing': _boolean,
+    'baseline.maml_min_learning_rate': _number(0, inclusive=True),
 }
 
 

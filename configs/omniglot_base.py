@@ -87,6 +87,24 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   # checkpoint; 'skip': go on with the next batch (up to 20 such steps in a row).
   config.train.on_divergence = 'stop'
 
+  # Which trainer: 'cht', or a Table 1 baseline ('finetune', 'ewc', 'maml';
+  # configs/baselines_table1.py). The baseline group is read only by those.
+  config.method = 'cht'
+  config.baseline = ml_collections.ConfigDict()
+  config.baseline.inner_steps = 5  # SGD steps per task (fine-tuning, EWC; MAML++'s inner loop).
+  config.baseline.inner_learning_rate = 0.1  # Their rate (MAML++: the initial LSLR).
+  config.baseline.head_init = 'zeros'  # Fresh K*T head of the pretrained CNN: or 'glorot'.
+  config.baseline.pretrain_batch_size = 128  # Images per pretraining step.
+  config.baseline.ewc_lambda = 10.0  # Best of 0, 1, 3, 10 on validation (README); SGD on the
+  # penalty is stable only while inner_learning_rate * ewc_lambda * max(Fisher) < 2.
+  config.baseline.ewc_fisher = 'empirical'  # or 'true' (expectation under the model).
+  config.baseline.maml_learn_inner_lr = True  # LSLR: learned per-layer per-step rates.
+  config.baseline.maml_first_order_steps = 0  # First-order for this many meta-steps.
+  config.baseline.maml_multi_step_loss = True
+  config.baseline.maml_msl_anneal_steps = 7_500  # Multi-step loss for this many meta-steps.
+  config.baseline.maml_cosine_annealing = True  # Meta learning rate, cosine to the minimum.
+  config.baseline.maml_min_learning_rate = 1e-5
+
   if variant == 'smoke':
     config.optim.name = 'adam'
     config.optim.learning_rate = 1e-3

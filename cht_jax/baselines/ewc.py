@@ -1,0 +1,80 @@
+"""Elastic weight consolidation (Kirkpatrick et al., 2017): its penalty and diagonal Fisher.
+
+After task tau the network theta*_tau and the diagonal Fisher F_tau of its
+log-likelihood on S(tau) are kept; learning task t then minimises
+  L_t(theta) + lambda/2 * sum_{tau < t} sum_i F_tau,i (theta_i - theta*_tau,i)^2,
+one penalty per earlier task, as in the original. The Fishers and anchors of
+an episode are stacked on a leading T axis; tasks not yet seen have F = 0 and
+add nothing, so the carry of the scan has a fixed shape.
+
+The CNN normalises with the statistics of the whole support batch, so the
+log-likelihood of one sample depends on the others; "per-sample" gradients
+below are gradients of sample n's log-likelihood under the batch forward pass.
+"""
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+FISHERS = ('empirical', 'true')
+Theta = Any
+
+
+def penalty(theta: Theta, fishers: Theta, anchors: Theta, ewc_lambda: float) -> jax.Array:
+  """lambda/2 * sum_tau sum_i F_tau,i (theta_i - theta*_tau,i)^2.
+
+  Args:
+    theta: the parameters.
+    fishers, anchors: theta's structure, leaves [T, *leaf shape].
+  """
+  terms = jax.tree.map(lambda p, f, a: jnp.sum(f * jnp.square(p[None] - a)),
+                       theta, fishers, anchors)
+  return 0.5 * ewc_lambda * sum(jax.tree.leaves(terms))
+
+
+def fisher_diagonal(log_probs_fn: Callable[[Theta], jax.Array], theta: Theta,
+                    targets: jax.Array, kind: str = 'empirical') -> Theta:
+  """Diagonal Fisher of a batch's log-likelihood at theta, mean over the S samples.
+
+  Args:
+    log_probs_fn: theta -> [S, M] log-probabilities.
+    targets: [S] observed classes (for 'empirical').
+    kind: 'empirical': F = mean_n (d log p(y_n | x_n) / d theta)^2 with the
+      observed labels; 'true': F = mean_n sum_m p(m | x_n) (d log p(m | x_n) /
+      d theta)^2, the expectation under the model (the original EWC), one
+      backward sweep per output m (classes with p = 0 add nothing).
+
+  Returns:
+    A pytree like theta.
+  """
+  if kind == 'empirical':
+    per_sample = lambda th: jnp.take_along_axis(log_probs_fn(th), targets[:, None], -1)[:, 0]
+    jacobian = jax.jacrev(per_sample)(theta)  # Leaves [S, ...].
+    return jax.tree.map(lambda j: jnp.mean(jnp.square(j), axis=0), jacobian)
+  if kind == 'true':
+    probs = jax.lax.stop_gradient(jnp.exp(log_probs_fn(theta)))  # [S, M]
+    num_samples = probs.shape[0]
+
+    def one_output(m):
+      jacobian = jax.jacrev(lambda th: log_probs_fn(th)[:, m])(theta)  # Leaves [S, ...].
+      weight = probs[:, m]
+      return jax.tree.map(
+          lambda j: jnp.tensordot(weight, jnp.square(j), axes=1) / num_samples, jacobian)
+
+    per_output = jax.lax.map(one_output, jnp.arange(probs.shape[1]))
+    return jax.tree.map(lambda f: f.sum(axis=0), per_output)
+  raise ValueError(f'Unknown Fisher {kind!r}; expected one of {FISHERS}.')
+
+
+def init_state(theta: Theta, num_tasks: int) -> tuple[Theta, Theta]:
+  """(fishers, anchors): zeros with leaves [T, *leaf shape]."""
+  zeros = jax.tree.map(lambda p: jnp.zeros((num_tasks, *p.shape), p.dtype), theta)
+  return zeros, zeros
+
+
+def record_task(state: tuple[Theta, Theta], t, fisher: Theta, theta: Theta):
+  """Stores F_t and theta*_t = theta in row t of the (fishers, anchors) state."""
+  fishers, anchors = state
+  put = lambda stacked, new: jax.tree.map(lambda s, n: s.at[t].set(n), stacked, new)
+  return put(fishers, fisher), put(anchors, theta)
