@@ -48,7 +48,7 @@ def _sweeps(num_tasks: int) -> dict[str, list[tuple[str, str, list[str]]]]:
       'omniglot_channels': [(f'c{c}_t{k}', 'configs/omniglot_channels.py', [str(c), str(k)])
                             for c in (4, 6, 8, 16, 32) for k in range(2, 6)],
       'baselines': [
-          ('cht', 'configs/omniglot_channels.py', ['8', t]),
+          ('cht', f'configs/omniglot_t{t}.py', []),  # T in 1..5.
           ('constpn', 'configs/omniglot_constpn.py', [t]),
           ('merged_ht', 'configs/omniglot_merged_ht.py', [t]),
           ('ht_ce', 'configs/omniglot_ht_ce.py', [t]),
@@ -244,6 +244,8 @@ def main(argv=None) -> int:
   parser.add_argument('--no_figures', action='store_true')
   args = parser.parse_args(argv)
 
+  if args.sweep == 'baselines' and not 1 <= args.num_tasks <= 5:
+    parser.error(f'--num_tasks must be in 1..5 (configs/omniglot_t1..5.py), got {args.num_tasks}.')
   runs = _sweeps(args.num_tasks)[args.sweep]
   if args.only:
     keep = set(args.only.split(','))
