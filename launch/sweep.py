@@ -209,6 +209,18 @@ def write_table(records: list[dict], prefix: str) -> list[str]:
   return paths
 
 
+def _as_baseline(result: dict) -> dict:
+  """Merged HT is one point (a star): class-incremental accuracy on tasks 0..T-1 only."""
+  if result.get('method') != 'Merged HT':
+    return result
+  row = result['table']['class_incremental']
+  last = len(row['mean']) - 1
+  return {**result, 'table': {
+      'columns': result['table']['columns'],
+      'class_incremental': {'mean': [None] * last + row['mean'][last:],
+                            'ci95': [None] * last + row['ci95'][last:]}}}
+
+
 def write_figures(records: list[dict], prefix: str) -> list[str]:
   """One figure per dataset: CHT runs as columns, the other methods as baselines."""
   sys.path.insert(0, REPO_ROOT)
@@ -217,7 +229,8 @@ def write_figures(records: list[dict], prefix: str) -> list[str]:
   for dataset in sorted({r['dataset'] for r in records}):
     group = [r for r in records if r['dataset'] == dataset]
     columns = [r['result'] for r in group if r['method'] == 'CHT'] or [r['result'] for r in group]
-    baselines = [r['result'] for r in group if r['method'] in ('ConstPN', 'Merged HT')]
+    baselines = [_as_baseline(r['result']) for r in group
+                 if r['method'] in ('ConstPN', 'Merged HT')]
     path = f'{prefix}_{dataset}.png'
     plots.plot_results(columns, path, baselines=baselines)
     paths.append(path)

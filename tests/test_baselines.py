@@ -251,15 +251,19 @@ def test_sweep_collects_the_latest_results_into_one_table(tmp_path):
   fake_result(str(tmp_path / 'cht'), 'CHT', 10, values=(0.5, 0.4))
   fake_result(str(tmp_path / 'cht'), 'CHT', 200, values=(0.9, 0.8))  # The latest step wins.
   fake_result(str(tmp_path / 'constpn'), 'ConstPN', 100, values=(0.7, 0.6))
+  fake_result(str(tmp_path / 'merged'), 'Merged HT', 100, values=(0.8, 0.7))
   records = sweep.collect([('cht', str(tmp_path / 'cht')), ('constpn', str(tmp_path / 'constpn')),
+                           ('merged', str(tmp_path / 'merged')),
                            ('missing', str(tmp_path / 'missing'))])
-  assert [r['run'] for r in records] == ['cht', 'constpn'] and records[0]['step'] == 200
+  assert [r['run'] for r in records] == ['cht', 'constpn', 'merged'] and records[0]['step'] == 200
+  star = sweep._as_baseline(records[2]['result'])['table']  # pylint: disable=protected-access
+  assert star['class_incremental']['mean'] == [None, 0.7] and 'task_incremental' not in star
   paths = sweep.write_table(records, str(tmp_path / 'table'))
   paths += sweep.write_figures(records, str(tmp_path / 'table'))
   markdown = open(paths[0]).read()
   assert '| cht | CHT |' in markdown and '90.0 ± 1.0' in markdown and '60.0 ± 2.0' in markdown
   rows = open(paths[1]).read().splitlines()
-  assert len(rows) == 3 and rows[0].startswith('run,method')
+  assert len(rows) == 4 and rows[0].startswith('run,method')
   assert os.path.getsize(str(tmp_path / 'table_omniglot.png')) > 0
 
 
