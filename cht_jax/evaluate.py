@@ -558,7 +558,7 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
   results['protocol'] = dataclasses.asdict(protocol)
   results['episode'] = spec._asdict()
   results['timing'] = per_episode['timing']
-  if config.method == 'merged_ht':
+  if methods.method_name(config) == 'merged_ht':
     results['note'] = ('Merged HT: one HT given all tasks at once; only the class-incremental '
                        'accuracy of theta_{T-1} on tasks 0..T-1 is the baseline (theta_t for '
                        't < T-1 has seen the support sets of later tasks).')

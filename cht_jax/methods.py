@@ -197,18 +197,24 @@ class MergedHT:
 Method = CHT | ConstPN | MergedHT
 
 
+def method_name(config: ml_collections.ConfigDict) -> str:
+  """`config.method`; 'cht' for configs saved before the field existed (config.json)."""
+  return config.get('method', 'cht')
+
+
 def build(config: ml_collections.ConfigDict) -> Method:
   """The method of `config.method`, with the model of `config.model`."""
   ht = models.build_hypertransformer(config)
-  if config.method == 'cht':
+  name = method_name(config)
+  if name == 'cht':
     return CHT(ht, head_logits=config.loss == 'cross_entropy')
-  if config.method == 'constpn':
+  if name == 'constpn':
     return ConstPN(ht.cnn, shots=config.episode.shots)
-  if config.method == 'merged_ht':
+  if name == 'merged_ht':
     num_tasks = config.episode.num_tasks
     return MergedHT(ht.clone(num_ways=config.episode.ways * num_tasks),
                     shots=config.episode.shots, num_tasks=num_tasks)
-  raise ValueError(f'Unknown config.method {config.method!r}; expected one of {METHODS}.')
+  raise ValueError(f'Unknown config.method {name!r}; expected one of {METHODS}.')
 
 
 def as_method(model: Any) -> Method:
@@ -219,7 +225,7 @@ def as_method(model: Any) -> Method:
 
 
 def display_name(config: ml_collections.ConfigDict) -> str:
-  return DISPLAY_NAMES[config.method]
+  return DISPLAY_NAMES[method_name(config)]
 
 
 def training_spec(config: ml_collections.ConfigDict) -> episodes_lib.EpisodeSpec:
@@ -228,6 +234,6 @@ def training_spec(config: ml_collections.ConfigDict) -> episodes_lib.EpisodeSpec
   spec = episodes_lib.EpisodeSpec(
       num_tasks=ep.num_tasks, ways=ep.ways, shots=ep.shots,
       queries_per_class=ep.queries_per_class, task_classes=ep.task_classes)
-  if config.method == 'constpn':
+  if method_name(config) == 'constpn':
     spec = spec._replace(num_tasks=1, ways=ep.ways * config.constpn_ways_multiplier)
   return spec
