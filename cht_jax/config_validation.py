@@ -29,6 +29,7 @@ import ml_collections
 
 from cht_jax import continual
 from cht_jax import losses
+from cht_jax import methods
 from cht_jax.data import episodes
 from cht_jax.data import omniglot
 from cht_jax.models import cnn
@@ -110,6 +111,8 @@ SCHEMA: dict[str, Check] = {
     'model.remat': _boolean,
     'model.vectorize': _choice(continual.VECTORIZE_OPTIONS),
     'loss': _choice(losses.LOSSES),
+    'method': _choice(methods.METHODS),
+    'constpn_ways_multiplier': _integer(1),
     'optim.name': _choice(OPTIMIZERS),
     'optim.learning_rate': _number(0),
     'optim.decay_rate': _number(0),
@@ -233,6 +236,29 @@ def _model_problems(c: ml_collections.ConfigDict, num_devices: int) -> list[str]
   return problems
 
 
+def _method_problems(c: ml_collections.ConfigDict) -> list[str]:
+  """The baselines of `config.method` (cht_jax/methods.py)."""
+  problems = []
+  if c.method != 'cht' and c.loss != 'class_incremental':
+    problems.append(
+        f"method = {c.method!r} trains a prototypical network: loss must be "
+        f"'class_incremental', got {c.loss!r}.")
+  if c.method == 'merged_ht' and c.episode.task_classes != 'disjoint':
+    problems.append(
+        "method = 'merged_ht' merges the T tasks of an episode into one K*T-way task, so "
+        "their classes must differ: episode.task_classes must be 'disjoint'.")
+  if c.method == 'constpn':
+    ways = c.episode.ways * c.constpn_ways_multiplier
+    size = len(omniglot.class_split(c.data.split_scheme, c.data.split_seed)['train'])
+    if ways > size:
+      problems.append(
+          f"method = 'constpn' trains on episode.ways * constpn_ways_multiplier = "
+          f"{c.episode.ways} * {c.constpn_ways_multiplier} = {ways}-way tasks but the "
+          f"'train' split of data.split_scheme={c.data.split_scheme!r} has only {size} "
+          'classes: lower constpn_ways_multiplier.')
+  return problems
+
+
 def validate(config: Any, num_devices: int | None = None) -> ml_collections.ConfigDict:
   """Checks every field of a training config; returns it unchanged.
 
@@ -251,7 +277,8 @@ def validate(config: Any, num_devices: int | None = None) -> ml_collections.Conf
     if num_devices is None:
       import jax  # pylint: disable=g-import-not-at-top
       num_devices = jax.device_count()
-    problems = _episode_problems(config) + _model_problems(config, num_devices)
+    problems = (_episode_problems(config) + _model_problems(config, num_devices)
+                + _method_problems(config))
   if problems:
     count = f'{len(problems)} problems' if len(problems) > 1 else 'a problem'
     raise ConfigError(f'The config has {count}: ' + ' '.join(problems))

@@ -38,8 +38,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from cht_jax import continual
+from cht_jax import methods
 from cht_jax import metrics
-from cht_jax import models
 from cht_jax import train
 from cht_jax.data import episodes as episodes_lib
 
@@ -111,8 +111,8 @@ def evaluation_spec(config: ml_collections.ConfigDict,
 
 
 def abstract_params(config: ml_collections.ConfigDict) -> Any:
-  """ShapeDtypeStructs of the HyperTransformer parameters of `config`."""
-  ht = models.build_hypertransformer(config)
+  """ShapeDtypeStructs of the parameters of `config` (its HyperTransformer, or baseline)."""
+  ht = methods.build(config)
   size = config.data.image_size
   state = jax.eval_shape(lambda: train.init_state(
       config, ht, train.make_optimizer(config.optim), jax.random.key(0), (size, size, 1)))
@@ -219,7 +219,8 @@ def episode_accuracies(ht, params, episode, pairs: continual.TaskPairs,
   """Accuracies of every (theta_t, tau <= t) pair on one evaluation episode.
 
   Args:
-    ht, params: the HyperTransformer and its parameters.
+    ht, params: the method (`methods.build`; a bare HyperTransformer is CHT)
+      and its parameters.
     episode: from `episodes.sample_evaluation_episode`: support [T, K*N, ...],
       query_images [R, T, K*Q, H, W, C], query_labels [T, K*Q].
     pairs: `TaskPairs.lower_triangle(T)`.
@@ -228,10 +229,13 @@ def episode_accuracies(ht, params, episode, pairs: continual.TaskPairs,
   Returns:
     (task_incremental [P], class_incremental [P]): mean over the R draws of
     the accuracy on the K*Q queries of tau under theta_t, pair p = (t, tau).
+    For a method with `head_logits` (loss='cross_entropy') the task-incremental
+    accuracy is that of the head's K logits.
   """
-  thetas, prototypes = continual.generate_thetas(
-      ht, params, episode['support_images'], episode['support_labels'], remat=False)
-  embeddings = embed_query_draws(ht, thetas, episode['query_images'], pairs, vectorize)
+  method = methods.as_method(ht)
+  thetas, prototypes = method.thetas_and_prototypes(
+      params, episode['support_images'], episode['support_labels'], remat=False)
+  embeddings = embed_query_draws(method, thetas, episode['query_images'], pairs, vectorize)
 
   def score(loss):  # Mean over draws of the accuracy of each pair: [P].
     accuracy = jax.vmap(
@@ -239,7 +243,7 @@ def episode_accuracies(ht, params, episode, pairs: continual.TaskPairs,
         in_axes=1)(embeddings)
     return accuracy.mean(axis=0)
 
-  return score('task_incremental'), score('class_incremental')
+  return score(method.task_incremental_score), score('class_incremental')
 
 
 @functools.lru_cache(maxsize=8)
@@ -537,18 +541,27 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
     The `summarize` dict plus 'protocol', 'episode' and 'timing'.
   """
   if config.loss == 'cross_entropy':
-    logging.warning('config.loss is cross_entropy: evaluating with prototypes of the '
-                    'head outputs all the same.')
+    logging.warning('config.loss is cross_entropy: task-incremental accuracy from the '
+                    "head's logits, class-incremental from prototypes of the head outputs.")
+  ht = methods.build(config)
+  if ht.max_eval_tasks is not None and protocol.num_tasks > ht.max_eval_tasks:
+    raise EvaluationError(
+        f'{methods.display_name(config)} was trained for {ht.max_eval_tasks} tasks merged '
+        f'into one and cannot be evaluated on {protocol.num_tasks}; use --eval_tasks <= '
+        f'{ht.max_eval_tasks}.')
   if class_images is None:
     class_images = train.load_dataset(config)[protocol.split]
   spec = evaluation_spec(config, protocol)
-  ht = models.build_hypertransformer(config)
   logging.info('Evaluating on %s: %s.', protocol.split, protocol)
   per_episode = run_protocol(ht, params, class_images, spec, protocol)
   results = summarize(per_episode, trained_tasks=config.episode.num_tasks)
   results['protocol'] = dataclasses.asdict(protocol)
   results['episode'] = spec._asdict()
   results['timing'] = per_episode['timing']
+  if methods.method_name(config) == 'merged_ht':
+    results['note'] = ('Merged HT: one HT given all tasks at once; only the class-incremental '
+                       'accuracy of theta_{T-1} on tasks 0..T-1 is the baseline (theta_t for '
+                       't < T-1 has seen the support sets of later tasks).')
   logging.info('Evaluation took %.1f s, %.2f episodes/s after compilation.',
                results['timing']['seconds'], results['timing']['episodes_per_second'])
   logging.info('Class-incremental accuracy of theta_t on tasks 0..t: %s',
@@ -584,7 +597,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   params, step = restore_params(workdir, config, step)
   protocol = default_protocol(config, **protocol_overrides)
   results = evaluate(config, params, protocol)
-  results.update(method='CHT', workdir=os.path.abspath(workdir), step=step,
+  results.update(method=methods.display_name(config), workdir=os.path.abspath(workdir), step=step,
                  config=json.loads(config.to_json_best_effort()))
   prefix = result_prefix(workdir, protocol, step)
   paths = write_results(results, prefix, plot=plot)
@@ -615,15 +628,15 @@ def embedding_report(config: ml_collections.ConfigDict, params: Any, protocol: P
   if class_images is None:
     class_images = train.load_dataset(config)[protocol.split]
   spec = evaluation_spec(config, protocol)
-  ht = models.build_hypertransformer(config)
+  ht = methods.build(config)
   pairs = continual.TaskPairs.lower_triangle(spec.num_tasks)
 
   @jax.jit
   def embed(params, class_images):
     episode = episodes_lib.sample_evaluation_episode(
         jax.random.fold_in(jax.random.key(protocol.seed), 0), class_images, spec, 1)
-    thetas, prototypes = continual.generate_thetas(
-        ht, params, episode['support_images'], episode['support_labels'], remat=False)
+    thetas, prototypes = ht.thetas_and_prototypes(
+        params, episode['support_images'], episode['support_labels'], remat=False)
     queries = continual.embed_queries(ht, thetas, episode['query_images'][0], pairs, remat=False)
     return prototypes, queries, episode['query_labels']
 

@@ -42,8 +42,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from cht_jax import config_validation
-from cht_jax import continual
-from cht_jax import models
+from cht_jax import methods
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.data import omniglot
 
@@ -129,11 +128,8 @@ def load_dataset(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
 
 
 def init_state(config, ht, optimizer, key, image_shape) -> TrainState:
-  num_ways = config.episode.ways
-  support_images = jnp.zeros((num_ways * config.episode.shots, *image_shape))
-  support_labels = jnp.zeros((num_ways * config.episode.shots,), jnp.int32)
-  theta = models.hypertransformer.zeros_theta(ht.cnn, image_shape)
-  params = ht.init(key, support_images, support_labels, theta)['params']
+  # `ht`: a `methods` method (CHT, ConstPN, Merged HT) or a bare HyperTransformer (CHT).
+  params = methods.as_method(ht).init(key, image_shape, config.episode.shots)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=optimizer.init(params))
 
@@ -141,7 +137,7 @@ def init_state(config, ht, optimizer, key, image_shape) -> TrainState:
 def batch_loss(ht, params, episodes, loss, remat):
   """Mean over a batch of episodes of Algorithm 1's loss, and mean metrics."""
   _, metrics = jax.vmap(
-      lambda episode: continual.episode_loss(ht, params, episode, loss, remat))(episodes)
+      lambda episode: methods.as_method(ht).episode_loss(params, episode, loss, remat))(episodes)
   metrics = jax.tree.map(jnp.mean, metrics)
   return metrics['loss'], metrics
 
@@ -186,7 +182,7 @@ def make_train_step(config, ht, optimizer, mesh):
   and optimiser state it was given (only the step count advances) and reports
   metrics['skipped'] = 1.
   """
-  spec = episode_spec(config)
+  spec = methods.training_spec(config)  # ConstPN trains on wider single tasks.
   batch_sharding = jax.NamedSharding(mesh, jax.P('data'))
   schedule = learning_rate_schedule(config.optim)
 
@@ -609,7 +605,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   config_validation.validate(config)
   workdir = check_workdir(workdir)
-  ht = models.build_hypertransformer(config)
+  ht = methods.build(config)  # config.method: CHT or a baseline.
   optimizer = make_optimizer(config.optim)
   image_shape = (config.data.image_size, config.data.image_size, 1)
   mesh = data_mesh()

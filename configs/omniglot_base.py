@@ -64,6 +64,11 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.model.vectorize = 'auto'
 
   config.loss = 'class_incremental'  # or 'task_incremental', 'cross_entropy'.
+  # What makes the CNN's weights (cht_jax/methods.py): 'cht', or the baselines
+  # 'constpn' (trained CNN, prototypical network) and 'merged_ht' (one HT over
+  # the T tasks merged into one K*T-way task).
+  config.method = 'cht'
+  config.constpn_ways_multiplier = 5  # ConstPN trains on 5x the ways (100-way for 20-way).
 
   config.optim = ml_collections.ConfigDict()
   config.optim.name = 'sgd'  # or 'adam', 'momentum'.
@@ -130,3 +135,28 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
     config.train.eval_every_steps = 4
     config.train.eval_episodes = 2
   return config
+
+
+def paper_learning_rate(num_tasks: int) -> float:
+  """The paper's SGD rate for Omniglot: 1e-4 for T <= 4, 5e-5 for T = 5 (and more)."""
+  return 1e-4 if num_tasks <= 4 else 5e-5
+
+
+def parse_arguments(arg: str | None, names: tuple[str, ...], defaults: tuple = ()):
+  """'16,5,tiny' -> (16, 5, 'tiny') for names ('channels', 'num_tasks'); variant last.
+
+  Integers first, in the order of `names` (missing ones from `defaults`), then an
+  optional variant ('', 'smoke' or 'tiny'). `arg` is what follows the colon of
+  `--config=configs/FILE.py:ARG`.
+  """
+  parts = [p.strip() for p in (arg or '').split(',') if p.strip()]
+  variant = parts.pop() if parts and not parts[-1].lstrip('-').isdigit() else ''
+  if variant not in VARIANTS:
+    raise ValueError(f'Unknown config variant {variant!r}; expected one of {VARIANTS}.')
+  if len(parts) > len(names):
+    raise ValueError(f'Expected at most {len(names)} numbers ({", ".join(names)}) then '
+                     f'a variant, got {arg!r}.')
+  values = [int(p) for p in parts] + list(defaults[len(parts):])
+  if len(values) < len(names):
+    raise ValueError(f'Expected {", ".join(names)} (then a variant), got {arg!r}.')
+  return (*values, variant)

@@ -1,0 +1,20 @@
+"""Merged HT baseline on Omniglot (paper section 5.2, the stars of Figure 4).
+
+  --config=configs/omniglot_merged_ht.py:T[,variant]   e.g. :3 or :2,smoke
+
+One plain HyperTransformer with 20*T ways, trained on the T tasks of each episode
+merged into one 20*T-way task. Evaluated on episodes of T tasks; only the
+class-incremental accuracy of theta_{T-1} on tasks 0..T-1 is the baseline (the
+paper runs one Merged HT per T: sweep T=2..5 for its stars).
+"""
+
+from configs import omniglot_base
+
+
+def get_config(arg=None):
+  num_tasks, variant = omniglot_base.parse_arguments(arg, ('num_tasks',), (2,))
+  config = omniglot_base.get_config(
+      num_tasks=num_tasks, learning_rate=omniglot_base.paper_learning_rate(num_tasks),
+      variant=variant)
+  config.method = 'merged_ht'
+  return config
