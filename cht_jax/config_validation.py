@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 from absl import flags
 import ml_collections
 
+from cht_jax import baselines
 from cht_jax import continual
 from cht_jax import losses
 from cht_jax import methods
@@ -111,7 +112,7 @@ SCHEMA: dict[str, Check] = {
     'model.remat': _boolean,
     'model.vectorize': _choice(continual.VECTORIZE_OPTIONS),
     'loss': _choice(losses.LOSSES),
-    'method': _choice(methods.METHODS),
+    'method': _choice(methods.METHODS + baselines.METHODS),
     'constpn_ways_multiplier': _integer(1),
     'optim.name': _choice(OPTIMIZERS),
     'optim.learning_rate': _number(0),
@@ -127,8 +128,7 @@ SCHEMA: dict[str, Check] = {
     'train.eval_every_steps': _integer(0),
     'train.eval_episodes': _integer(1),
     'train.on_divergence': _choice(ON_DIVERGENCE),
-    # Table 1 baselines (cht_jax/baselines; issue 4). 'method' picks the trainer.
-    'method': _choice(('cht', 'finetune', 'ewc', 'maml')),
+    # Table 1 baselines trained by gradient descent (cht_jax/baselines).
     'baseline.inner_steps': _integer(1),
     'baseline.inner_learning_rate': _number(0),
     'baseline.head_init': _choice(('zeros', 'glorot')),

@@ -9,7 +9,7 @@ answers the same two questions:
   theta_0..theta_{T-1} (leaves with a leading T axis) and the frozen
   prototypes [T, K, D] of every task. The evaluation protocol then embeds the
   queries of task tau with theta_t and scores them, whatever the method.
-* `episode_loss(params, episode, loss, remat)`: the training objective on one
+* `episode_loss(params, episode, loss, remat, vectorize)`: the training objective on one
   episode, with the metrics of `continual.episode_loss`.
 
 Methods (DESIGN.md 1.5; paper section 5.2):
@@ -61,13 +61,13 @@ def _broadcast(tree: Any, num_tasks: int) -> Any:
 
 
 def _loss_over_pairs(method, params, episode, loss: str, remat: bool,
-                     pairs: continual.TaskPairs):
+                     pairs: continual.TaskPairs, vectorize: bool | None = None):
   """`continual.episode_loss` with the thetas of `method` and the given pairs."""
   num_tasks = episode['support_images'].shape[0]
   thetas, prototypes = method.thetas_and_prototypes(
       params, episode['support_images'], episode['support_labels'], remat=remat)
   embeddings = continual.embed_queries(method, thetas, episode['query_images'], pairs,
-                                       remat=remat)
+                                       remat=remat, vectorize=vectorize)
   cross_entropy, accuracy = continual.pair_losses(
       loss, embeddings, episode['query_labels'], prototypes, pairs)
   final = pairs.t == num_tasks - 1
@@ -109,8 +109,8 @@ class CHT:
     return continual.generate_thetas(self.ht, params, support_images, support_labels,
                                      remat=remat)
 
-  def episode_loss(self, params, episode, loss, remat=True):
-    return continual.episode_loss(self.ht, params, episode, loss, remat)
+  def episode_loss(self, params, episode, loss, remat=True, vectorize=None):
+    return continual.episode_loss(self.ht, params, episode, loss, remat, vectorize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +138,10 @@ class ConstPN:
     prototypes = jax.vmap(task_prototypes)(support_images, support_labels)
     return _broadcast(params, num_tasks), prototypes
 
-  def episode_loss(self, params, episode, loss, remat=True):
+  def episode_loss(self, params, episode, loss, remat=True, vectorize=None):
     """Sum over (t, tau <= t) as CHT's; training episodes have T=1 (a plain ProtoNet)."""
     pairs = continual.TaskPairs.lower_triangle(episode['support_images'].shape[0])
-    return _loss_over_pairs(self, params, episode, loss, remat, pairs)
+    return _loss_over_pairs(self, params, episode, loss, remat, pairs, vectorize)
 
 
 def merge_tasks(support_images, support_labels, num_ways: int):
@@ -186,12 +186,12 @@ class MergedHT:
     prototypes = losses.class_prototypes(embeddings, labels, num_tasks * num_ways)
     return _broadcast(theta, num_tasks), prototypes.reshape(num_tasks, num_ways, -1)
 
-  def episode_loss(self, params, episode, loss, remat=True):
+  def episode_loss(self, params, episode, loss, remat=True, vectorize=None):
     """Queries of every task tau scored over all K*T classes: pairs (T-1, tau)."""
     num_tasks = episode['support_images'].shape[0]
     pairs = continual.TaskPairs(t=np.full(num_tasks, num_tasks - 1, np.int32),
                                 tau=np.arange(num_tasks, dtype=np.int32))
-    return _loss_over_pairs(self, params, episode, loss, remat, pairs)
+    return _loss_over_pairs(self, params, episode, loss, remat, pairs, vectorize)
 
 
 Method = CHT | ConstPN | MergedHT

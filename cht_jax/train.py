@@ -42,6 +42,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from cht_jax import config_validation
+from cht_jax import continual
 from cht_jax import methods
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.data import omniglot
@@ -190,8 +191,8 @@ def make_train_step(config, ht, optimizer, mesh):
   vectorize = continual.vectorize_option(config.model.vectorize)
 
   def loss_fn(params, episode):
-    return continual.episode_loss(ht, params, episode, config.loss, config.model.remat,
-                                  vectorize=vectorize)
+    return methods.as_method(ht).episode_loss(params, episode, config.loss,
+                                              config.model.remat, vectorize=vectorize)
 
   def train_step(state: TrainState, class_images, key):
     episodes = episodes_lib.sample_episodes(

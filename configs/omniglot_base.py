@@ -66,7 +66,8 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.loss = 'class_incremental'  # or 'task_incremental', 'cross_entropy'.
   # What makes the CNN's weights (cht_jax/methods.py): 'cht', or the baselines
   # 'constpn' (trained CNN, prototypical network) and 'merged_ht' (one HT over
-  # the T tasks merged into one K*T-way task).
+  # the T tasks merged into one K*T-way task), or the Table 1 baselines trained
+  # by gradient descent, 'finetune', 'ewc', 'maml' (cht_jax/baselines).
   config.method = 'cht'
   config.constpn_ways_multiplier = 5  # ConstPN trains on 5x the ways (100-way for 20-way).
 
@@ -92,9 +93,8 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   # checkpoint; 'skip': go on with the next batch (up to 20 such steps in a row).
   config.train.on_divergence = 'stop'
 
-  # Which trainer: 'cht', or a Table 1 baseline ('finetune', 'ewc', 'maml';
-  # configs/baselines_table1.py). The baseline group is read only by those.
-  config.method = 'cht'
+  # The Table 1 baselines' settings (method 'finetune', 'ewc', 'maml';
+  # configs/baselines_table1.py), read only by those.
   config.baseline = ml_collections.ConfigDict()
   config.baseline.inner_steps = 5  # SGD steps per task (fine-tuning, EWC; MAML++'s inner loop).
   config.baseline.inner_learning_rate = 0.1  # Their rate (MAML++: the initial LSLR).

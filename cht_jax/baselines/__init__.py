@@ -7,3 +7,6 @@
   maml.py        MAML++: meta-learned init, per-layer per-step inner learning rates, meta-loss
   runner.py      entry points: train_and_evaluate, evaluate_checkpoint
 """
+
+# The `config.method` values these trainers serve (the others are in cht_jax/methods.py).
+METHODS = ('finetune', 'ewc', 'maml')

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from cht_jax import baselines
 from cht_jax import config_validation
 from cht_jax import continual
 from cht_jax import evaluate as evaluate_lib
@@ -45,7 +46,7 @@ from cht_jax.baselines import sequential
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.data import omniglot
 
-METHODS = ('finetune', 'ewc', 'maml')
+METHODS = baselines.METHODS
 DISPLAY_NAMES = {'finetune': 'Pretraining + fine-tuning', 'ewc': 'EWC', 'maml': 'MAML++'}
 
 
