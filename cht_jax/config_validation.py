@@ -233,14 +233,13 @@ def _episode_problems(c: ml_collections.ConfigDict) -> list[str]:
         fix += (', or set train.eval_every_steps=0 to skip validation during '
                 'training (evaluate on the test split afterwards)')
       problems.append(
-          f'{split_what} but the {split!r} split of data.split_scheme='
-          f'{c.data.split_scheme!r} has only {sizes[split]} classes: {fix}.')
+          f'{split_what} but the {split!r} split of {_split_name(c)} has only '
+          f'{sizes[split]} classes: {fix}.')
   per_class = ep.shots + ep.queries_per_class
   if images_per_class and per_class > images_per_class[0]:
     problems.append(
         f'episode.shots + episode.queries_per_class = {ep.shots} + '
-        f'{ep.queries_per_class} = {per_class} images per class, but {images_per_class[1]} '
-        f'has {images_per_class[0]} per class.')
+        f'{ep.queries_per_class} = {per_class} images per class, but {images_per_class[1]}.')
   return problems
 
 
@@ -257,13 +256,13 @@ def _split_classes(c: ml_collections.ConfigDict):
   if data.dataset == 'omniglot':
     sizes = {s: len(ids) for s, ids in omniglot.class_split(
         data.split_scheme, data.split_seed).items()}
-    return sizes, {}, (omniglot.IMAGES_PER_CLASS, 'Omniglot')
+    n = omniglot.IMAGES_PER_CLASS
+    return sizes, {}, (n, f'Omniglot has {n} per class')
   if data.dataset == 'tiered_imagenet':
     from cht_jax.data import tiered_imagenet  # pylint: disable=g-import-not-at-top
     sizes = dict(tiered_imagenet.SPLIT_CLASSES) if data.check_class_counts else {}
-    if data.pipeline == 'device':
-      return sizes, {}, (data.images_per_class, 'data.images_per_class')
-    return sizes, {}, ()
+    # Validation (and, with the device pipeline, training) classes keep that many images.
+    return sizes, {}, (data.images_per_class, _kept(data.images_per_class))
   per_domain = {s: [] for s in multidomain.SPLITS}
   for name in data.domains:
     counts = multidomain.split_sizes(multidomain.NUM_CLASSES[name], data.domain_split)
@@ -271,7 +270,20 @@ def _split_classes(c: ml_collections.ConfigDict):
       per_domain[split].append(n)
   sizes = {s: sum(n) for s, n in per_domain.items()}
   return sizes, {s: tuple(n) for s, n in per_domain.items()}, (
-      data.images_per_class, 'data.images_per_class')
+      data.images_per_class, _kept(data.images_per_class))
+
+
+def _split_name(c: ml_collections.ConfigDict) -> str:
+  if c.data.dataset == 'omniglot':
+    return f'data.split_scheme={c.data.split_scheme!r}'
+  if c.data.dataset == 'multidomain':
+    return f'data.domains with data.domain_split={tuple(c.data.domain_split)}'
+  return 'tieredImageNet'
+
+
+def _kept(n: int) -> str:
+  return (f'data.images_per_class = {n} images are kept per class (raise it, or lower '
+          'episode.queries_per_class)')
 
 
 def _dataset_problems(c: ml_collections.ConfigDict) -> list[str]:

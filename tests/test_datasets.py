@@ -501,3 +501,30 @@ def test_multidomain_config_to_domain_episodes_under_mock_data(tmp_path):
   task_domains = domain_of_row[np.asarray(batch['class_ids'])]  # [B, T, K]
   assert (task_domains == task_domains[..., :1]).all()
   assert (task_domains[:, 0, 0] != task_domains[:, 1, 0]).all()
+
+
+@pytest.mark.parametrize('module, overrides, message', [
+    ('omniglot_t2', {'data.pipeline': 'host'}, "data.pipeline = 'host' is implemented for"),
+    ('omniglot_t2', {'episode.task_classes': 'domain'}, "needs data.dataset = 'multidomain'"),
+    ('multidomain_t2', {'data.domains': ('omniglot', 'imagenet')}, 'data.domains = '),
+    ('multidomain_t2', {'data.domain_split': (0.5, 0.5, 0.5)}, 'adding up to 1'),
+    ('multidomain_t2', {'data.domains': ('omniglot',)}, 'needs episode.num_tasks = 2 domains'),
+    ('tiered_imagenet_t2', {'data.augment.crop_min_scale': 0.0}, 'must be a number in (0, 1]'),
+    ('tiered_imagenet_t2', {'data.augment.hue': 0.6}, 'must be a number in [0, 0.5]'),
+    ('tiered_imagenet_t2', {'data.images_per_class': 20}, '5 + 20 = 25 images per class, but '
+     'data.images_per_class = 20'),
+    ('tiered_imagenet_t5', {'episode.ways': 100}, "the 'validation' split of"),
+])
+def test_new_config_mistakes_are_named(module, overrides, message):
+  import importlib  # pylint: disable=g-import-not-at-top
+  config = importlib.import_module(f'configs.{module}').get_config()
+  with config.unlocked():
+    for dotted, value in overrides.items():
+      node = config
+      *path, leaf = dotted.split('.')
+      for name in path:
+        node = node[name]
+      node[leaf] = value
+  with pytest.raises(config_validation.ConfigError) as error:
+    config_validation.validate(config, num_devices=1)
+  assert message in str(error.value), str(error.value)
