@@ -81,11 +81,15 @@ class EncodedSource:
 
   Wraps any sequence whose items are encoded image bytes, or dicts with the
   bytes under 'image' (a TFDS data source read with
-  `decoders={'image': tfds.decode.SkipDecoding()}`), e.g. a list in tests.
+  `decoders={'image': tfds.decode.SkipDecoding()}`), e.g. a list in tests;
+  or, with `example_key`, serialized `tf.train.Example`s holding the encoded
+  image under that feature (a TFDS data source read as raw bytes: parsed in
+  the tf.data graph, not in Python).
   """
 
-  def __init__(self, records: Sequence[Any]):
+  def __init__(self, records: Sequence[Any], example_key: str | None = None):
     self._records = records
+    self.example_key = example_key
 
   def __len__(self) -> int:
     return len(self._records)
@@ -98,18 +102,30 @@ class EncodedSource:
     return [item['image'] if isinstance(item, dict) else item
             for item in items]
 
+  def parse(self, records):
+    """tf.string [E] records -> tf.string [E] encoded images (in a tf graph)."""
+    if self.example_key is None:
+      return records
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    return tf.io.parse_example(
+        records, {self.example_key: tf.io.FixedLenFeature([], tf.string)}
+    )[self.example_key]
+
 
 def tfds_source(builder, split: str) -> tuple[EncodedSource, np.ndarray]:
   """(source, labels int64 [E]) of a split prepared as ArrayRecord.
 
-  The labels are read once (images left encoded) and cached in
+  The records are read as raw serialized examples, parsed by tf.data. The
+  labels are read once and cached in
   `<data_dir>/cht_jax_cache/<name>_<version>_<split>_labels.npy`.
   """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   try:
     records = builder.as_data_source(
-        split=split, decoders={'image': tfds.decode.SkipDecoding()})
+        split=split,
+        deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
   except NotImplementedError as e:
     raise DataError(
         f'{builder.name} in {builder.data_dir} is not stored as ArrayRecord, '
@@ -124,14 +140,17 @@ def tfds_source(builder, split: str) -> tuple[EncodedSource, np.ndarray]:
     if len(labels) != len(records):
       labels = None
   if labels is None:  # One pass over the records, images left encoded.
-    chunk = 4096
-    labels = np.concatenate([np.zeros((0,), np.int64)] + [
-        np.asarray([ex['label'] for ex in records.__getitems__(
-            range(start, min(start + chunk, len(records))))], np.int64)
-        for start in range(0, len(records), chunk)])
+    chunk, parts = 4096, [np.zeros((0,), np.int64)]
+    for start in range(0, len(records), chunk):
+      raw = records.__getitems__(list(range(start, min(start + chunk,
+                                                      len(records)))))
+      parts.append(tf.io.parse_example(
+          tf.constant(np.asarray(raw, object)),
+          {'label': tf.io.FixedLenFeature([], tf.int64)})['label'].numpy())
+    labels = np.concatenate(parts).astype(np.int64)
     os.makedirs(os.path.dirname(cache), exist_ok=True)
     np.save(cache, labels)
-  return EncodedSource(records), labels
+  return EncodedSource(records, example_key='image'), labels
 
 
 # --------------------------------------------------------------------------
@@ -239,6 +258,7 @@ def episode_dataset(source: EncodedSource, index: ClassIndex,
     return tf.ensure_shape(image, shape)
 
   def assemble(encoded, classes):
+    encoded = source.parse(encoded)
     images = tf.map_fn(decode_one, encoded, parallel_iterations=16,
                        fn_output_signature=tf.TensorSpec(shape, tf.uint8))
     images = tf.reshape(images, (b, t, k, n + q) + shape)
@@ -317,7 +337,7 @@ def class_images(source: EncodedSource, index: ClassIndex,
           lambda s: np.asarray(source.get(flat[s:s + chunk]), object),
           [start], tf.string, stateful=False),
       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-  ds = ds.unbatch().map(decode, num_parallel_calls=tf.data.AUTOTUNE,
+  ds = ds.map(source.parse).unbatch().map(decode, num_parallel_calls=tf.data.AUTOTUNE,
                         deterministic=True).batch(chunk)
   view = out.reshape((-1,) + shape)
   start = 0
