@@ -120,11 +120,15 @@ def bench_step(config, num_steps: int) -> dict:
   batch = jax.device_put(batch, sharding)
   state = jax.jit(lambda key: train.init_state(config, ht, optimizer, key, shape))(
       jax.random.key(0))
-  step = train.make_train_step(config, ht, optimizer, mesh, host=True)
   start = time.perf_counter()
+  step = train.make_train_step(config, ht, optimizer, mesh, host=True).lower(
+      state, batch, jax.random.key(1)).compile()
+  compile_s = time.perf_counter() - start
+  costs = step.cost_analysis()
+  costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+  flops = float((costs or {}).get('flops', float('nan')))
   state, metrics = step(state, batch, jax.random.key(1))
   jax.block_until_ready(metrics)
-  compile_s = time.perf_counter() - start
   start, cpu = time.perf_counter(), time.process_time()
   for i in range(num_steps):
     state, metrics = step(state, batch, jax.random.key(i))
@@ -132,7 +136,7 @@ def bench_step(config, num_steps: int) -> dict:
   seconds = (time.perf_counter() - start) / num_steps
   cpu = (time.process_time() - cpu) / num_steps
   return {'steps_per_s': 1 / seconds, 'episodes_per_s': b / seconds, 'compile_s': compile_s,
-          'cpu_s_per_episode': cpu / b,
+          'cpu_s_per_episode': cpu / b, 'gflops_per_episode': flops / b / 1e9,
           'device': jax.devices()[0].device_kind, 'loss': float(metrics['loss'])}
 
 
@@ -153,6 +157,7 @@ def main(argv):
     r = bench_step(config, _NUM_STEPS.value)
     print(f"training step on {r['device']}: {r['episodes_per_s']:.3g} episodes/s "
           f"({r['steps_per_s']:.3g} steps/s, {r['cpu_s_per_episode']:.3g} CPU s per episode, "
+          f"{r['gflops_per_episode']:.3g} GFLOP per episode (XLA count), "
           f"compile {r['compile_s']:.1f} s, loss {r['loss']:.3g})")
 
 
