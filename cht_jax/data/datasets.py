@@ -98,9 +98,11 @@ def host_batches(config: ml_collections.ConfigDict,
                  first_step: int) -> Iterator[dict[str, np.ndarray]]:
   """Training batches of steps first_step, first_step + 1, ... (uint8 images).
 
-  Each is the dict of `episodes.sample_episodes` with B =
-  train.episodes_per_step episodes, a function of (config.seed, step).
+  Each is the dict of `episodes.sample_episodes` with this process's share
+  of the train.episodes_per_step episodes (all of them on one host), a
+  function of (config.seed, step, process index).
   """
+  import jax  # pylint: disable=g-import-not-at-top
   from cht_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   if config.data.dataset not in HOST_PIPELINE_DATASETS:
     raise ValueError(f'data.pipeline=host supports {HOST_PIPELINE_DATASETS}, '
@@ -110,6 +112,7 @@ def host_batches(config: ml_collections.ConfigDict,
   index = pipeline.class_index(labels,
                                min_images=spec.shots + spec.queries_per_class)
   return pipeline.episode_batches(
-      source, index, spec, config.train.episodes_per_step, config.seed,
+      source, index, spec,
+      config.train.episodes_per_step // jax.process_count(), config.seed,
       first_step, config.data.image_size, CHANNELS[config.data.dataset],
-      normalize=False)
+      normalize=False, process=jax.process_index())

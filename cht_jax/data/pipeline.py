@@ -7,8 +7,9 @@ encoded on disk in a random-access source (TFDS's ArrayRecord data source)
 and only the images of the coming episodes are read:
 
 1. indices: for step s, `episode_indices` draws the classes and the images of
-   B episodes on the host with NumPy, from `default_rng([seed, s])`: the
-   episodes of a step depend only on (seed, s), so a resumed run sees the
+   B episodes on the host with NumPy, from `default_rng([seed, s, p])` (p:
+   the process, for several hosts each drawing its share of the batch): the
+   episodes of a step depend only on (seed, s, p), so a resumed run sees the
    same data. The drawing rules are those of the device sampler ('disjoint',
    'same' or 'domain' classes; N + Q distinct images per class), not its
    random numbers.
@@ -173,15 +174,15 @@ def _draw_classes(rng: np.random.Generator, num_classes: int,
 
 
 def episode_indices(seed: int, step: int, index: ClassIndex,
-                    spec: episodes_lib.EpisodeSpec,
-                    num_episodes: int) -> tuple[np.ndarray, np.ndarray]:
-  """The records of the B episodes of one step, a function of (seed, step).
+                    spec: episodes_lib.EpisodeSpec, num_episodes: int,
+                    process: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """The records of B episodes of one step, a function of (seed, step, process).
 
   Returns:
     (records int64 [B, T, K, N+Q], N + Q distinct images per class, support
     first; class rows int32 [B, T, K], rows of `index`).
   """
-  rng = np.random.default_rng([seed, step])
+  rng = np.random.default_rng([seed, step, process])
   per_class = spec.shots + spec.queries_per_class
   classes = np.stack([_draw_classes(rng, len(index.records), spec)
                       for _ in range(num_episodes)])
@@ -214,7 +215,7 @@ def episode_dataset(source: EncodedSource, index: ClassIndex,
                     spec: episodes_lib.EpisodeSpec, num_episodes: int,
                     seed: int, first_step: int, image_size: int,
                     channels: int, normalize: bool = True,
-                    num_steps: int | None = None):
+                    num_steps: int | None = None, process: int = 0):
   """A tf.data.Dataset of episode batches, element i for step first_step + i.
 
   Args:
@@ -229,6 +230,8 @@ def episode_dataset(source: EncodedSource, index: ClassIndex,
     normalize: float32 x / 128 - 1 images (as `episodes.sample_episodes`);
       False: uint8.
     num_steps: elements (None: endless).
+    process: this process's index (its own random stream) when several
+      hosts each read B = their share of the global batch.
 
   Returns:
     Elements {'support_images': [B, T, K*N, S, S, D], 'support_labels':
@@ -243,7 +246,8 @@ def episode_dataset(source: EncodedSource, index: ClassIndex,
   shape = (image_size, image_size, channels)
 
   def fetch(step):
-    records, classes = episode_indices(seed, int(step), index, spec, b)
+    records, classes = episode_indices(seed, int(step), index, spec, b,
+                                       process)
     return np.asarray(source.get(records), dtype=object), classes
 
   def decode_one(encoded):
