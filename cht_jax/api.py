@@ -36,6 +36,7 @@ from cht_jax import continual
 from cht_jax import evaluate
 from cht_jax import losses
 from cht_jax import models
+from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.models import hypertransformer as ht_lib
 
@@ -73,8 +74,8 @@ class Memory(NamedTuple):
 def model_from_params(config: ml_collections.ConfigDict, params: Any,
                       step: int | None = None) -> Model:
   """A `Model` of `config` with the given HyperTransformer parameters."""
-  size = config.data.image_size
-  return Model(models.build_hypertransformer(config), params, (size, size, 1), step)
+  return Model(models.build_hypertransformer(config), params, datasets.image_shape(config),
+               step)
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:

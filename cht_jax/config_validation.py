@@ -31,7 +31,9 @@ from cht_jax import baselines
 from cht_jax import continual
 from cht_jax import losses
 from cht_jax import methods
+from cht_jax.data import datasets
 from cht_jax.data import episodes
+from cht_jax.data import multidomain
 from cht_jax.data import omniglot
 from cht_jax.models import cnn
 from cht_jax.models import ops
@@ -81,15 +83,51 @@ def _string(value) -> str | None:
   return None if isinstance(value, str) else "a string ('' for the default)"
 
 
+def _between(low: float, high: float, low_open: bool = False) -> Check:
+  """A number in [low, high] ((low, high] if low_open)."""
+  bounds = f'{"(" if low_open else "["}{low:g}, {high:g}]'
+
+  def check(value):
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and
+          math.isfinite(value) and (value > low if low_open else value >= low)
+          and value <= high)
+    return None if ok else f'a number in {bounds}'
+  return check
+
+
+def _domains(value) -> str | None:
+  ok = (isinstance(value, (tuple, list)) and len(value) >= 1 and
+        len(set(value)) == len(value) and all(v in multidomain.DOMAINS for v in value))
+  return None if ok else f'a non-empty tuple of distinct names from {multidomain.DOMAINS}'
+
+
+def _fractions(value) -> str | None:
+  ok = (isinstance(value, (tuple, list)) and len(value) == 3 and
+        all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+            for v in value) and value[0] > 0 and abs(sum(value) - 1) < 1e-6)
+  return None if ok else ('three fractions (train, validation, test) >= 0 adding up to 1, '
+                          'train > 0')
+
+
 SCHEMA: dict[str, Check] = {
     'seed': _integer(0),
-    'data.dataset': _choice(('omniglot',)),
+    'data.dataset': _choice(datasets.DATASETS),
+    'data.pipeline': _choice(datasets.PIPELINES),
     'data.data_dir': _string,
     'data.manual_dir': _string,
     'data.split_scheme': _choice(omniglot.SPLIT_SCHEMES),
     'data.split_seed': _integer(0),
     'data.image_size': _integer(1),
     'data.rotate': _boolean,
+    'data.images_per_class': _integer(1),
+    'data.check_class_counts': _boolean,
+    'data.domains': _domains,
+    'data.domain_split': _fractions,
+    'data.augment.flip': _boolean,
+    'data.augment.hue': _between(0, 0.5),
+    'data.augment.brightness': _between(0, 1),
+    'data.augment.contrast': _between(0, 1),
+    'data.augment.crop_min_scale': _between(0, 1, low_open=True),
     'episode.num_tasks': _integer(1),
     'episode.ways': _integer(1),
     'episode.shots': _integer(1),
@@ -182,17 +220,27 @@ def _field_problems(values: dict[str, Any]) -> list[str]:
 def _episode_problems(c: ml_collections.ConfigDict) -> list[str]:
   """Classes and images an episode needs against those of the splits."""
   ep = c.episode
-  sizes = {s: len(ids) for s, ids in omniglot.class_split(
-      c.data.split_scheme, c.data.split_seed).items()}
+  problems = _dataset_problems(c)
+  sizes, domain_sizes, images_per_class = _split_classes(c)
   splits = ['train'] + (['validation'] if c.train.eval_every_steps else [])
-  if ep.task_classes == 'disjoint':
+  if ep.task_classes == 'domain':
+    for split in splits if domain_sizes else []:
+      usable = [n for n in domain_sizes[split] if n >= ep.ways]
+      if len(usable) < ep.num_tasks:
+        problems.append(
+            f"episode.task_classes='domain' needs episode.num_tasks = {ep.num_tasks} "
+            f'domains with at least episode.ways = {ep.ways} classes in the {split!r} split, '
+            f'but data.domains={tuple(c.data.domains)} with data.domain_split='
+            f'{tuple(c.data.domain_split)} gives {domain_sizes[split]} classes: add '
+            'domains, or lower episode.num_tasks or episode.ways.')
+    sizes = {}
+  elif ep.task_classes == 'disjoint':
     needed = ep.ways * ep.num_tasks
     what = (f'episode.ways * episode.num_tasks = {ep.ways} * {ep.num_tasks} = {needed} '
             "distinct classes per episode (episode.task_classes='disjoint')")
   else:
     needed, what = ep.ways, f'episode.ways = {ep.ways} classes per episode'
-  problems = []
-  for split in splits:
+  for split in splits if sizes else []:
     # Validation during training runs as many of the T tasks as its classes
     # allow (train.validation_tasks), so it needs one task's classes.
     split_needed, split_what = ((needed, what) if split == 'train' else
@@ -204,14 +252,69 @@ def _episode_problems(c: ml_collections.ConfigDict) -> list[str]:
         fix += (', or set train.eval_every_steps=0 to skip validation during '
                 'training (evaluate on the test split afterwards)')
       problems.append(
-          f'{split_what} but the {split!r} split of data.split_scheme='
-          f'{c.data.split_scheme!r} has only {sizes[split]} classes: {fix}.')
+          f'{split_what} but the {split!r} split of {_split_name(c)} has only '
+          f'{sizes[split]} classes: {fix}.')
   per_class = ep.shots + ep.queries_per_class
-  if per_class > omniglot.IMAGES_PER_CLASS:
+  if images_per_class and per_class > images_per_class[0]:
     problems.append(
         f'episode.shots + episode.queries_per_class = {ep.shots} + '
-        f'{ep.queries_per_class} = {per_class} images per class, but Omniglot has '
-        f'{omniglot.IMAGES_PER_CLASS} per class.')
+        f'{ep.queries_per_class} = {per_class} images per class, but {images_per_class[1]}.')
+  return problems
+
+
+def _split_classes(c: ml_collections.ConfigDict):
+  """(classes per split, domain sizes per split, (images per class, what)).
+
+  Known from the config alone: Omniglot's split scheme, tieredImageNet's
+  351/97/160 (unknown with data.check_class_counts=False), the nominal class
+  counts of the multi-domain datasets (classes with fewer than
+  data.images_per_class images are dropped when loading, so the real counts
+  may be lower). Empty where unknown.
+  """
+  data = c.data
+  if data.dataset == 'omniglot':
+    sizes = {s: len(ids) for s, ids in omniglot.class_split(
+        data.split_scheme, data.split_seed).items()}
+    n = omniglot.IMAGES_PER_CLASS
+    return sizes, {}, (n, f'Omniglot has {n} per class')
+  if data.dataset == 'tiered_imagenet':
+    from cht_jax.data import tiered_imagenet  # pylint: disable=g-import-not-at-top
+    sizes = dict(tiered_imagenet.SPLIT_CLASSES) if data.check_class_counts else {}
+    # Validation (and, with the device pipeline, training) classes keep that many images.
+    return sizes, {}, (data.images_per_class, _kept(data.images_per_class))
+  per_domain = {s: [] for s in multidomain.SPLITS}
+  for name in data.domains:
+    counts = multidomain.split_sizes(multidomain.NUM_CLASSES[name], data.domain_split)
+    for split, n in zip(multidomain.SPLITS, counts):
+      per_domain[split].append(n)
+  sizes = {s: sum(n) for s, n in per_domain.items()}
+  return sizes, {s: tuple(n) for s, n in per_domain.items()}, (
+      data.images_per_class, _kept(data.images_per_class))
+
+
+def _split_name(c: ml_collections.ConfigDict) -> str:
+  if c.data.dataset == 'omniglot':
+    return f'data.split_scheme={c.data.split_scheme!r}'
+  if c.data.dataset == 'multidomain':
+    return f'data.domains with data.domain_split={tuple(c.data.domain_split)}'
+  return 'tieredImageNet'
+
+
+def _kept(n: int) -> str:
+  return (f'data.images_per_class = {n} images are kept per class (raise it, or lower '
+          'episode.queries_per_class)')
+
+
+def _dataset_problems(c: ml_collections.ConfigDict) -> list[str]:
+  """Dataset, pipeline and sampler options that do not go together."""
+  data, problems = c.data, []
+  if data.pipeline == 'host' and data.dataset not in datasets.HOST_PIPELINE_DATASETS:
+    problems.append(f"data.pipeline = 'host' is implemented for data.dataset in "
+                    f"{datasets.HOST_PIPELINE_DATASETS}, not {data.dataset!r}: use "
+                    "data.pipeline = 'device'.")
+  if c.episode.task_classes == 'domain' and data.dataset != 'multidomain':
+    problems.append(f"episode.task_classes = 'domain' (one domain per task) needs "
+                    f"data.dataset = 'multidomain', not {data.dataset!r}.")
   return problems
 
 

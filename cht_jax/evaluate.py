@@ -41,6 +41,7 @@ from cht_jax import continual
 from cht_jax import methods
 from cht_jax import metrics
 from cht_jax import train
+from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 
 DEFAULT_SEED = 0  # Evaluation episodes; independent of config.seed.
@@ -113,9 +114,9 @@ def evaluation_spec(config: ml_collections.ConfigDict,
 def abstract_params(config: ml_collections.ConfigDict) -> Any:
   """ShapeDtypeStructs of the parameters of `config` (its HyperTransformer, or baseline)."""
   ht = methods.build(config)
-  size = config.data.image_size
   state = jax.eval_shape(lambda: train.init_state(
-      config, ht, train.make_optimizer(config.optim), jax.random.key(0), (size, size, 1)))
+      config, ht, train.make_optimizer(config.optim), jax.random.key(0),
+      datasets.image_shape(config)))
   return state.params
 
 

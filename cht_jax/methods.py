@@ -47,6 +47,7 @@ import optax
 from cht_jax import continual
 from cht_jax import losses
 from cht_jax import models
+from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import hypertransformer as ht_lib
@@ -228,12 +229,11 @@ def display_name(config: ml_collections.ConfigDict) -> str:
   return DISPLAY_NAMES[method_name(config)]
 
 
-def training_spec(config: ml_collections.ConfigDict) -> episodes_lib.EpisodeSpec:
+def training_spec(config: ml_collections.ConfigDict,
+                  domain_sizes: tuple[int, ...] = ()) -> episodes_lib.EpisodeSpec:
   """Training episodes: the config's, except ConstPN's single tasks of multiplier*K ways."""
   ep = config.episode
-  spec = episodes_lib.EpisodeSpec(
-      num_tasks=ep.num_tasks, ways=ep.ways, shots=ep.shots,
-      queries_per_class=ep.queries_per_class, task_classes=ep.task_classes)
+  spec = datasets.episode_spec(config, domain_sizes)
   if method_name(config) == 'constpn':
     spec = spec._replace(num_tasks=1, ways=ep.ways * config.constpn_ways_multiplier)
   return spec

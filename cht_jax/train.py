@@ -44,8 +44,11 @@ import orbax.checkpoint as ocp
 from cht_jax import config_validation
 from cht_jax import continual
 from cht_jax import methods
+from cht_jax.data import augment as augment_lib
+from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.data import omniglot
+from cht_jax.data import pipeline
 
 OPTIMIZERS = config_validation.OPTIMIZERS
 MAX_CONSECUTIVE_SKIPS = 20  # With on_divergence='skip', more than this stops the run.
@@ -112,20 +115,18 @@ def data_mesh() -> jax.sharding.Mesh:
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def episode_spec(config: ml_collections.ConfigDict) -> episodes_lib.EpisodeSpec:
-  ep = config.episode
-  return episodes_lib.EpisodeSpec(
-      num_tasks=ep.num_tasks, ways=ep.ways, shots=ep.shots,
-      queries_per_class=ep.queries_per_class, task_classes=ep.task_classes)
+def episode_spec(config: ml_collections.ConfigDict,
+                 domain_sizes: tuple[int, ...] = ()) -> episodes_lib.EpisodeSpec:
+  return datasets.episode_spec(config, domain_sizes)
 
 
 def load_dataset(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-  """Images of every split, uint8 [classes, images per class, H, W, 1]."""
-  data = config.data
-  return omniglot.load_omniglot(
-      data_dir=data.data_dir or None, manual_dir=data.manual_dir or None,
-      split_scheme=data.split_scheme, split_seed=data.split_seed,
-      image_size=data.image_size)
+  """Images of the in-memory splits, uint8 [classes, images per class, H, W, D].
+
+  See `datasets.load_dataset` (no 'train' with data.pipeline=host; an extra
+  'domain_sizes' entry for multidomain).
+  """
+  return datasets.load_dataset(config)
 
 
 def init_state(config, ht, optimizer, key, image_shape) -> TrainState:
@@ -175,17 +176,22 @@ def batch_grads(loss_fn, params, episodes, num_shards: int, vectorize: bool):
   return jax.tree.map(lambda x: jnp.mean(x, axis=0), (grads, metrics))
 
 
-def make_train_step(config, ht, optimizer, mesh):
+def make_train_step(config, ht, optimizer, mesh, domain_sizes=(), host=False):
   """Returns jit(step)(state, class_images, key) -> (state, metrics).
+
+  With `host`, the step takes a host pipeline's episode batch (uint8 images,
+  `datasets.host_batches`) in place of `class_images`. The training
+  augmentation of `config.data.augment` is applied in both cases.
 
   A step where one of `_WATCHED` (the loss, the norms of the gradient, of the
   generated weights and of the update) is not finite returns the parameters
   and optimiser state it was given (only the step count advances) and reports
   metrics['skipped'] = 1.
   """
-  spec = methods.training_spec(config)  # ConstPN trains on wider single tasks.
+  spec = methods.training_spec(config, domain_sizes)  # ConstPN trains on wider single tasks.
   batch_sharding = jax.NamedSharding(mesh, jax.P('data'))
   schedule = learning_rate_schedule(config.optim)
+  augment_spec = datasets.augment_spec(config)
 
   num_shards = mesh.shape['data']
   vectorize = continual.vectorize_option(config.model.vectorize)
@@ -195,8 +201,12 @@ def make_train_step(config, ht, optimizer, mesh):
                                               config.model.remat, vectorize=vectorize)
 
   def train_step(state: TrainState, class_images, key):
-    episodes = episodes_lib.sample_episodes(
-        key, class_images, spec, config.train.episodes_per_step, rotate=config.data.rotate)
+    if host:  # `class_images` is the step's episode batch.
+      episodes = pipeline.device_episodes(class_images)
+    else:
+      episodes = episodes_lib.sample_episodes(
+          key, class_images, spec, config.train.episodes_per_step, rotate=config.data.rotate)
+    episodes = augment_lib.augment_episodes(jax.random.fold_in(key, 1), episodes, augment_spec)
     episodes = jax.lax.with_sharding_constraint(episodes, batch_sharding)
     grads, metrics = batch_grads(loss_fn, state.params, episodes, num_shards, vectorize)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -224,13 +234,14 @@ def validation_tasks(config: ml_collections.ConfigDict, num_classes: int) -> int
   return max(1, min(ep.num_tasks, num_classes // ep.ways))
 
 
-def make_eval_step(config, ht, num_episodes: int, num_tasks: int | None = None):
+def make_eval_step(config, ht, num_episodes: int, num_tasks: int | None = None,
+                   domain_sizes=()):
   """Returns jit(evaluate)(params, class_images, key) -> metrics, no augmentation.
 
   `num_tasks` overrides the config's T (validation has too few classes for
   more than two disjoint 20-way tasks).
   """
-  spec = episode_spec(config)
+  spec = episode_spec(config, domain_sizes)
   if num_tasks is not None:
     spec = spec._replace(num_tasks=num_tasks)
 
@@ -608,7 +619,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   workdir = check_workdir(workdir)
   ht = methods.build(config)  # config.method: CHT or a baseline.
   optimizer = make_optimizer(config.optim)
-  image_shape = (config.data.image_size, config.data.image_size, 1)
+  image_shape = datasets.image_shape(config)
   mesh = data_mesh()
   replicated = jax.NamedSharding(mesh, jax.P())
   init_key, train_key, eval_key = jax.random.split(jax.random.key(config.seed), 3)
@@ -639,11 +650,14 @@ def _train_loop(config, ht, optimizer, mesh, state, dataset, manager, log, preem
                 train_key, eval_key) -> dict[str, float]:
   """Steps from `state.step` to `config.train.num_steps`."""
   replicated = jax.NamedSharding(mesh, jax.P())
-  train_images = jax.device_put(dataset['train'], replicated)
+  host = config.data.pipeline == 'host'
+  domain_sizes = dataset.get('domain_sizes', {})
+  train_images = None if host else jax.device_put(dataset['train'], replicated)
   validation_images = jax.device_put(dataset['validation'], replicated)
-  train_step = make_train_step(config, ht, optimizer, mesh)
+  train_step = make_train_step(config, ht, optimizer, mesh, domain_sizes.get('train', ()), host)
   eval_step = make_eval_step(config, ht, config.train.eval_episodes,
-                             validation_tasks(config, len(dataset['validation'])))
+                             validation_tasks(config, len(dataset['validation'])),
+                             domain_sizes.get('validation', ()))
   guard = _DivergenceGuard(config.train.on_divergence)
   tc = config.train
   first_step, num_steps = int(state.step), tc.num_steps
@@ -654,8 +668,14 @@ def _train_loop(config, ht, optimizer, mesh, state, dataset, manager, log, preem
             'no step had been trained')
     raise Preempted(f'Stopped by SIGTERM before training step {first_step + 1}; {kept}.')
 
+  if host:  # Host pipeline: the batch of step s is a function of (seed, s) too.
+    batches = datasets.host_batches(config, first_step + 1)
+    batch_sharding = jax.NamedSharding(mesh, jax.P('data'))
   pending, window, window_start, last_metrics = [], [], time.perf_counter(), {}
   for step in range(first_step + 1, num_steps + 1):
+    if host:
+      train_images = jax.tree.map(
+          lambda x: jax.make_array_from_process_local_data(batch_sharding, x), next(batches))
     # Episodes of step s depend only on (seed, s): a resumed run sees the same data.
     state, metrics = train_step(state, train_images, jax.random.fold_in(train_key, step))
     pending.append((step, metrics))

@@ -29,19 +29,31 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
 
   config.data = ml_collections.ConfigDict()
   config.data.dataset = 'omniglot'
+  config.data.pipeline = 'device'  # Episodes sampled on device from images in memory.
   config.data.data_dir = ''  # TFDS data dir; '' = TFDS default (~/tensorflow_datasets).
   config.data.manual_dir = ''  # Folder with the four Omniglot archives ('' = <data_dir>/downloads/manual).
   config.data.split_scheme = 'ht'  # 'ht' (1150/50/423 shuffled classes) or 'alphabet'.
   config.data.split_seed = 2022
   config.data.image_size = 28
   config.data.rotate = True  # Per-class rotation by multiples of 90 degrees in training.
+  config.data.images_per_class = 20  # Omniglot has 20.
+  config.data.check_class_counts = True  # Only for tiered_imagenet.
+  config.data.domains = ('omniglot',)  # Only for multidomain.
+  config.data.domain_split = (0.7, 0.15, 0.15)  # Only for multidomain.
+  # Per-image training augmentation (data/augment.py); all off for Omniglot.
+  config.data.augment = ml_collections.ConfigDict()
+  config.data.augment.flip = False
+  config.data.augment.hue = 0.0
+  config.data.augment.brightness = 0.0
+  config.data.augment.contrast = 0.0
+  config.data.augment.crop_min_scale = 1.0
 
   config.episode = ml_collections.ConfigDict()
   config.episode.num_tasks = num_tasks
   config.episode.ways = 20
   config.episode.shots = 1
   config.episode.queries_per_class = 3  # 60 queries per 20-way task, as the original HT.
-  config.episode.task_classes = 'disjoint'  # or 'same' (mini-batch setting).
+  config.episode.task_classes = 'disjoint'  # or 'same' (mini-batch), 'domain' (multidomain).
 
   config.model = ml_collections.ConfigDict()
   config.model.channels = 8

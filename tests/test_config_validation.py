@@ -28,7 +28,7 @@ def test_shipped_configs_are_valid(num_tasks, variant):
     ('episode.shots', 0, 'an integer >= 1'),
     ('model.num_layers', 0, 'an integer >= 1'),
     ('episode.queries_per_class', 0, 'an integer >= 1'),
-    ('episode.task_classes', 'overlapping', "one of ('disjoint', 'same')"),
+    ('episode.task_classes', 'overlapping', "one of ('disjoint', 'same', 'domain')"),
     ('model.channels', 0, 'an integer >= 1'),
     ('model.embedding_dim', -1, 'an integer >= 1'),
     ('model.num_heads', 0, 'an integer >= 1'),

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-TASK_CLASSES = ('disjoint', 'same')
+TASK_CLASSES = ('disjoint', 'same', 'domain')
 
 
 class EpisodeSpec(NamedTuple):
@@ -31,13 +31,18 @@ class EpisodeSpec(NamedTuple):
     queries_per_class: Q, query images per class.
     task_classes: 'disjoint': the T*K classes of an episode are distinct
       ("lifelong"); 'same': every task has the same K classes, with new images
-      drawn for each task ("mini-batch" learning).
+      drawn for each task ("mini-batch" learning); 'domain': each task draws
+      its K classes from its own domain, the T domains of an episode distinct
+      and drawn at random ("multi-domain").
+    domain_sizes: for 'domain': the number of classes of each domain; the
+      class images hold domain 0's classes first, then domain 1's, and so on.
   """
   num_tasks: int
   ways: int
   shots: int
   queries_per_class: int
   task_classes: str = 'disjoint'
+  domain_sizes: tuple[int, ...] = ()
 
 
 def validate_spec(spec: EpisodeSpec, class_images_shape: tuple[int, ...],
@@ -70,6 +75,22 @@ def validate_spec(spec: EpisodeSpec, class_images_shape: tuple[int, ...],
           f'episode.ways * episode.num_tasks = {spec.ways} * {spec.num_tasks} '
           f'= {needed} classes needed (task_classes=disjoint) but the split '
           f'has only {num_classes}.')
+  elif spec.task_classes == 'domain':
+    sizes = tuple(spec.domain_sizes)
+    if not sizes or min(sizes) < 1:
+      raise ValueError("task_classes='domain' needs domain_sizes, the positive"
+                       f' class count of each domain; got {sizes}.')
+    if sum(sizes) != num_classes:
+      raise ValueError(f'domain_sizes {sizes} add up to {sum(sizes)} classes '
+                       f'but the class images have {num_classes}.')
+    if spec.num_tasks > len(sizes):
+      raise ValueError(
+          f'episode.num_tasks = {spec.num_tasks} tasks from distinct domains '
+          f"(task_classes='domain') but there are only {len(sizes)} domains.")
+    if spec.ways > min(sizes):
+      raise ValueError(
+          f'episode.ways = {spec.ways} classes per task but domain '
+          f'{sizes.index(min(sizes))} has only {min(sizes)} in this split.')
   elif spec.ways > num_classes:
     raise ValueError(f'episode.ways = {spec.ways} classes needed but the split'
                      f' has only {num_classes}.')
@@ -123,8 +144,29 @@ def _draw_classes(key: jax.Array, num_classes: int,
   if spec.task_classes == 'disjoint':
     ids = _random_subset(key, (), num_classes, spec.num_tasks * spec.ways)
     return ids.reshape(spec.num_tasks, spec.ways)
+  if spec.task_classes == 'domain':
+    return _draw_domain_classes(key, spec)
   ids = _random_subset(key, (), num_classes, spec.ways)
   return jnp.tile(ids[None], (spec.num_tasks, 1))
+
+
+def domain_offsets(domain_sizes: tuple[int, ...]) -> np.ndarray:
+  """int32 [len(domain_sizes) + 1]: first class row of each domain, then C."""
+  return np.concatenate([[0], np.cumsum(domain_sizes)]).astype(np.int32)
+
+
+def _draw_domain_classes(key: jax.Array, spec: EpisodeSpec) -> jax.Array:
+  """Class ids int32 [T, K]: task t's K classes from domain d_t, d distinct."""
+  sizes = np.asarray(spec.domain_sizes, np.int32)
+  offsets = jnp.asarray(domain_offsets(spec.domain_sizes)[:-1])
+  domain_key, class_key = jax.random.split(key)
+  domains = _random_subset(domain_key, (), len(sizes), spec.num_tasks)  # [T]
+  # Top-K of uniform scores over the largest domain, classes past the
+  # domain's size scored -1 (never drawn: K <= every domain's size).
+  scores = jax.random.uniform(class_key, (spec.num_tasks, int(sizes.max())))
+  valid = jnp.arange(int(sizes.max())) < jnp.asarray(sizes)[domains][:, None]
+  ids = jax.lax.top_k(jnp.where(valid, scores, -1.0), spec.ways)[1]
+  return (ids + offsets[domains][:, None]).astype(jnp.int32)
 
 
 def _draw_images(key: jax.Array, num_images: int,

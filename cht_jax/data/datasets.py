@@ -1,0 +1,118 @@
+"""The config's dataset: its loader, image shape, augmentation and pipeline.
+
+`config.data.dataset`:
+* 'omniglot': `omniglot.py`, 1 channel, all splits in memory (device path).
+* 'tiered_imagenet': `tiered_imagenet.py`, 3 channels. With
+  data.pipeline='host' the training split is read by the host pipeline
+  (`pipeline.py`) and only the first `data.images_per_class` images of each
+  validation and test class are kept in memory; with 'device' every split
+  is, capped the same way.
+* 'multidomain': `multidomain.py`, 3 channels, all splits in memory, with the
+  class count of each domain per split under the extra key 'domain_sizes'.
+
+`config.data.pipeline`: 'device' samples episodes inside the jitted step from
+class images in device memory; 'host' feeds the step batches from a tf.data
+pipeline over the dataset on disk (tieredImageNet only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import ml_collections
+import numpy as np
+
+from cht_jax.data import augment as augment_lib
+from cht_jax.data import episodes as episodes_lib
+from cht_jax.data import omniglot
+
+DATASETS = ('omniglot', 'tiered_imagenet', 'multidomain')
+PIPELINES = ('device', 'host')
+CHANNELS = {'omniglot': 1, 'tiered_imagenet': 3, 'multidomain': 3}
+HOST_PIPELINE_DATASETS = ('tiered_imagenet',)
+
+
+def image_shape(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
+  size = config.data.image_size
+  return (size, size, CHANNELS[config.data.dataset])
+
+
+def augment_spec(config: ml_collections.ConfigDict) -> augment_lib.AugmentSpec:
+  a = config.data.augment
+  return augment_lib.AugmentSpec(
+      flip=a.flip, hue=a.hue, brightness=a.brightness, contrast=a.contrast,
+      crop_min_scale=a.crop_min_scale)
+
+
+def episode_spec(config: ml_collections.ConfigDict,
+                 domain_sizes: tuple[int, ...] = ()) -> episodes_lib.EpisodeSpec:
+  ep = config.episode
+  return episodes_lib.EpisodeSpec(
+      num_tasks=ep.num_tasks, ways=ep.ways, shots=ep.shots,
+      queries_per_class=ep.queries_per_class, task_classes=ep.task_classes,
+      domain_sizes=tuple(domain_sizes))
+
+
+def _tiered_builder(config):
+  from cht_jax.data import tiered_imagenet  # pylint: disable=g-import-not-at-top
+  data = config.data
+  return tiered_imagenet.prepare(
+      data.data_dir or None, data.manual_dir or None,
+      tiered_imagenet.SPLIT_CLASSES if data.check_class_counts else None)
+
+
+def load_dataset(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """{split: uint8 [C, M, S, S, D]} for the splits kept in memory.
+
+  With data.pipeline='host' there is no 'train' entry (see `host_batches`);
+  for 'multidomain' the extra key 'domain_sizes' maps each split to the class
+  count of each of its domains.
+  """
+  data = config.data
+  if data.dataset == 'omniglot':
+    return omniglot.load_omniglot(
+        data_dir=data.data_dir or None, manual_dir=data.manual_dir or None,
+        split_scheme=data.split_scheme, split_seed=data.split_seed,
+        image_size=data.image_size)
+  if data.dataset == 'multidomain':
+    from cht_jax.data import multidomain  # pylint: disable=g-import-not-at-top
+    arrays, sizes = multidomain.load_multidomain(
+        data.data_dir or None, data.manual_dir or None, tuple(data.domains),
+        tuple(data.domain_split), data.split_seed, data.image_size,
+        CHANNELS['multidomain'], data.images_per_class)
+    return {**arrays, 'domain_sizes': sizes}
+  from cht_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  builder = _tiered_builder(config)
+  splits = ('validation', 'test') if data.pipeline == 'host' else (
+      'train', 'validation', 'test')
+  out = {}
+  for split in splits:
+    source, labels = pipeline.tfds_source(builder, split)
+    index = pipeline.class_index(labels, min_images=data.images_per_class)
+    out[split] = pipeline.class_images(source, index, data.images_per_class,
+                                       data.image_size, CHANNELS['tiered_imagenet'])
+  return out
+
+
+def host_batches(config: ml_collections.ConfigDict,
+                 first_step: int) -> Iterator[dict[str, np.ndarray]]:
+  """Training batches of steps first_step, first_step + 1, ... (uint8 images).
+
+  Each is the dict of `episodes.sample_episodes` with this process's share
+  of the train.episodes_per_step episodes (all of them on one host), a
+  function of (config.seed, step, process index).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from cht_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  if config.data.dataset not in HOST_PIPELINE_DATASETS:
+    raise ValueError(f'data.pipeline=host supports {HOST_PIPELINE_DATASETS}, '
+                     f'not {config.data.dataset!r}.')
+  spec = episode_spec(config)
+  source, labels = pipeline.tfds_source(_tiered_builder(config), 'train')
+  index = pipeline.class_index(labels,
+                               min_images=spec.shots + spec.queries_per_class)
+  return pipeline.episode_batches(
+      source, index, spec,
+      config.train.episodes_per_step // jax.process_count(), config.seed,
+      first_step, config.data.image_size, CHANNELS[config.data.dataset],
+      normalize=False, process=jax.process_index())

@@ -1,0 +1,77 @@
+"""Shared settings of the tieredImageNet experiments (DESIGN.md 1.1-1.5).
+
+Not a config file itself: `tiered_imagenet_t{2..5}.py` call `get_config` with
+their number of tasks. Built on `omniglot_base` (the same fields), changed
+where the paper differs: 5-way 5-shot, 84x84 RGB, 64 channels, 40-dim final
+layer, 16 image features, a 1-layer 8-head transformer with value / inner
+fractions 0.5 and leaky ReLU (HT's tieredImageNet settings), SGD 5e-6, 20
+queries per class (100 per 5-way task, as HT), training augmentation (flip,
+hue, brightness, contrast, crop-and-resize) and no rotation. Episodes come
+from the host pipeline (data.pipeline='host'): the 448k training images stay
+on disk. Variants (`--config=configs/tiered_imagenet_t2.py:tiny`):
+  (none)  the paper's settings.
+  tiny    a very small model, 16x16 images and custom class counts, for tests
+          on a generated dataset (data.check_class_counts=False).
+"""
+
+from configs import omniglot_base
+
+VARIANTS = ('', 'tiny')
+
+
+def get_config(num_tasks: int, learning_rate: float = 5e-6, variant: str | None = None):
+  """Builds the config of the tieredImageNet T=`num_tasks` experiment."""
+  variant = variant or ''
+  if variant not in VARIANTS:
+    raise ValueError(f'Unknown config variant {variant!r}; expected one of {VARIANTS}.')
+  config = omniglot_base.get_config(num_tasks, learning_rate)
+  data = config.data
+  data.dataset = 'tiered_imagenet'
+  data.pipeline = 'host'
+  data.manual_dir = ''  # The download ('' = <data_dir>/downloads/manual/tiered_imagenet).
+  data.image_size = 84
+  data.rotate = False
+  # Validation / test classes kept in memory: the first 60 images of each.
+  data.images_per_class = 60
+  data.check_class_counts = True  # Insist on 351 / 97 / 160 classes.
+  data.augment.flip = True
+  data.augment.hue = 0.05  # Up to 18 degrees of hue rotation.
+  data.augment.brightness = 0.1
+  data.augment.contrast = 0.2
+  data.augment.crop_min_scale = 0.8
+
+  config.episode.ways = 5
+  config.episode.shots = 5
+  config.episode.queries_per_class = 20
+
+  model = config.model
+  model.channels = 64
+  model.cnn_embedding_dim = 40
+  model.image_features = 16
+  model.num_layers = 1
+  model.num_heads = 8
+  model.value_fraction = 0.5
+  model.inner_fraction = 0.5
+  model.activation = 'leaky_relu'
+
+  config.train.eval_episodes = 16
+  if variant == 'tiny':
+    data.check_class_counts = False
+    data.image_size = 16
+    data.images_per_class = 4
+    config.episode.ways = 2
+    config.episode.shots = 1
+    config.episode.queries_per_class = 2
+    model.channels = 4
+    model.cnn_embedding_dim = 6
+    model.embedding_dim = 8
+    model.image_features = 8
+    model.num_heads = 2
+    config.optim.name = 'adam'
+    config.optim.learning_rate = 1e-3
+    config.train.num_steps = 3
+    config.train.log_every_steps = 1
+    config.train.checkpoint_every_steps = 3
+    config.train.eval_every_steps = 3
+    config.train.eval_episodes = 2
+  return config
