@@ -99,10 +99,23 @@ def default_protocol(config: ml_collections.ConfigDict, **overrides) -> Protocol
   return Protocol(**values)
 
 
-def evaluation_spec(config: ml_collections.ConfigDict,
-                    protocol: Protocol) -> episodes_lib.EpisodeSpec:
-  """The training episode spec with T_eval tasks and Q queries per class."""
-  return train.episode_spec(config)._replace(
+def _split_and_spec(config, protocol: Protocol, class_images):
+  """The split's images (loaded when None) and the evaluation spec over them."""
+  domain_sizes = ()
+  if class_images is None:
+    dataset = train.load_dataset(config)
+    class_images = dataset[protocol.split]
+    domain_sizes = dataset.get('domain_sizes', {}).get(protocol.split, ())
+  return class_images, evaluation_spec(config, protocol, domain_sizes)
+
+
+def evaluation_spec(config: ml_collections.ConfigDict, protocol: Protocol,
+                    domain_sizes: tuple[int, ...] = ()) -> episodes_lib.EpisodeSpec:
+  """The training episode spec with T_eval tasks and Q queries per class.
+
+  `domain_sizes`: classes of each domain in the split (task_classes='domain').
+  """
+  return train.episode_spec(config, domain_sizes)._replace(
       num_tasks=protocol.num_tasks, queries_per_class=protocol.queries_per_class)
 
 
@@ -550,9 +563,7 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
         f'{methods.display_name(config)} was trained for {ht.max_eval_tasks} tasks merged '
         f'into one and cannot be evaluated on {protocol.num_tasks}; use --eval_tasks <= '
         f'{ht.max_eval_tasks}.')
-  if class_images is None:
-    class_images = train.load_dataset(config)[protocol.split]
-  spec = evaluation_spec(config, protocol)
+  class_images, spec = _split_and_spec(config, protocol, class_images)
   logging.info('Evaluating on %s: %s.', protocol.split, protocol)
   per_episode = run_protocol(ht, params, class_images, spec, protocol)
   results = summarize(per_episode, trained_tasks=config.episode.num_tasks)
@@ -626,9 +637,7 @@ def embedding_report(config: ml_collections.ConfigDict, params: Any, protocol: P
     `output`, or None (with a warning) for projector 'umap' without umap-learn.
   """
   from cht_jax import plots  # pylint: disable=g-import-not-at-top
-  if class_images is None:
-    class_images = train.load_dataset(config)[protocol.split]
-  spec = evaluation_spec(config, protocol)
+  class_images, spec = _split_and_spec(config, protocol, class_images)
   ht = methods.build(config)
   pairs = continual.TaskPairs.lower_triangle(spec.num_tasks)
 

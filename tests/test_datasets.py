@@ -14,6 +14,8 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from cht_jax import config_validation
+from cht_jax import evaluate
+from cht_jax import methods
 from cht_jax import train
 from cht_jax.data import augment
 from cht_jax.data import datasets
@@ -502,6 +504,23 @@ def test_multidomain_config_to_domain_episodes_under_mock_data(tmp_path):
   assert (task_domains == task_domains[..., :1]).all()
   assert (task_domains[:, 0, 0] != task_domains[:, 1, 0]).all()
 
+
+
+def test_multidomain_evaluation_draws_one_domain_per_task(tmp_path):
+  """The evaluation protocol loads the split's domain sizes too (task_classes='domain')."""
+  from configs import multidomain_t2  # pylint: disable=g-import-not-at-top
+  config = multidomain_t2.get_config('tiny')
+  config.data.domains = ('caltech101', 'cars196', 'stanford_dogs')
+  config.data.data_dir = str(tmp_path)
+  method = methods.build(config)
+  params = method.init(jax.random.key(0), datasets.image_shape(config), config.episode.shots)
+  protocol = evaluate.default_protocol(config, num_episodes=2, num_query_draws=1,
+                                       queries_per_class=1, batch_size=2)
+  with tfds.testing.mock_data(as_dataset_fn=_fake_as_dataset, data_dir=str(tmp_path)):
+    results = evaluate.evaluate(config, params, protocol)
+  assert len(results['episode']['domain_sizes']) == 3
+  accuracy = results['table']['class_incremental']['mean']
+  assert len(accuracy) == 2 and all(0 <= a <= 1 for a in accuracy)
 
 @pytest.mark.parametrize('module, overrides, message', [
     ('omniglot_t2', {'data.pipeline': 'host'}, "data.pipeline = 'host' is implemented for"),
