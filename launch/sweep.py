@@ -14,7 +14,8 @@ r"""Runs a sweep of experiments (train, then evaluate), and collects their resul
 
 Sweeps (`SWEEPS`): omniglot_tasks (CHT T=1..5), omniglot_channels (4, 6, 8, 16, 32
 channels x T=2..5), baselines (CHT, ConstPN, Merged HT, HT with cross-entropy,
-task-incremental CHT, all at --num_tasks), merged_ht (Merged HT T=2..5, the stars of
+task-incremental CHT, all at --num_tasks), table1 (CHT, pretraining + fine-tuning, EWC,
+MAML++ at --num_tasks), merged_ht (Merged HT T=2..5, the stars of
 the paper's Figure 4), minibatch (the five arms of section 5.1). `--only=a,b` keeps
 some runs. Each run is `python -m cht_jax.main --config=FILE:ARGS[,variant]
 --workdir=<root>/<run> [--override ...]`, then the same with `--mode=eval [--eval_flag
@@ -54,6 +55,10 @@ def _sweeps(num_tasks: int) -> dict[str, list[tuple[str, str, list[str]]]]:
           ('ht_ce', 'configs/omniglot_ht_ce.py', [t]),
           ('cht_task_incremental', 'configs/omniglot_task_incremental.py', [t]),
       ],
+      # Table 1: CHT against the baselines trained by gradient descent.
+      'table1': [('cht', f'configs/omniglot_t{t}.py', [])] + [
+          (method, 'configs/baselines_table1.py', [method, t])
+          for method in ('finetune', 'ewc', 'maml')],
       'merged_ht': [(f'merged_ht_t{k}', 'configs/omniglot_merged_ht.py', [str(k)])
                     for k in range(2, 6)],
       'minibatch': [(arm, 'configs/omniglot_minibatch.py', [arm])
@@ -230,7 +235,7 @@ def write_figures(records: list[dict], prefix: str) -> list[str]:
     group = [r for r in records if r['dataset'] == dataset]
     columns = [r['result'] for r in group if r['method'] == 'CHT'] or [r['result'] for r in group]
     baselines = [_as_baseline(r['result']) for r in group
-                 if r['method'] in ('ConstPN', 'Merged HT')]
+                 if r['method'] != 'CHT']
     path = f'{prefix}_{dataset}.png'
     plots.plot_results(columns, path, baselines=baselines)
     paths.append(path)
@@ -257,7 +262,7 @@ def main(argv=None) -> int:
   parser.add_argument('--no_figures', action='store_true')
   args = parser.parse_args(argv)
 
-  if args.sweep == 'baselines' and not 1 <= args.num_tasks <= 5:
+  if args.sweep in ('baselines', 'table1') and not 1 <= args.num_tasks <= 5:
     parser.error(f'--num_tasks must be in 1..5 (configs/omniglot_t1..5.py), got {args.num_tasks}.')
   runs = _sweeps(args.num_tasks)[args.sweep]
   if args.only:

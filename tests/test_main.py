@@ -8,8 +8,8 @@ import sys
 from conftest import REPO_ROOT
 
 
-def run_main(workdir, data_dir, *overrides):
-  command = [sys.executable, '-m', 'cht_jax.main', '--config=configs/omniglot_t2.py:tiny',
+def run_main(workdir, data_dir, *overrides, config='configs/omniglot_t2.py:tiny'):
+  command = [sys.executable, '-m', 'cht_jax.main', f'--config={config}',
              f'--workdir={workdir}', f'--config.data.data_dir={data_dir}', *overrides]
   result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -39,3 +39,16 @@ def test_main_trains_checkpoints_and_resumes(tmp_path, prepared_omniglot):
   train_steps = [m['step'] for m in read_metrics(workdir) if m['split'] == 'train']
   assert train_steps == [2, 4, 6]
   assert sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))) == [2, 4, 6]
+
+
+def test_main_runs_a_table1_baseline(tmp_path, prepared_omniglot):
+  """--config.method='finetune' (configs/baselines_table1.py) goes to the baselines' trainer
+  and evaluator through the same command."""
+  workdir = str(tmp_path / 'finetune')
+  config = 'configs/baselines_table1.py:finetune,2,tiny'
+  run_main(workdir, prepared_omniglot, '--config.train.eval_every_steps=0', config=config)
+  assert sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))) == [2, 4]
+  run_main(workdir, prepared_omniglot, '--mode=eval', '--eval_episodes=2',
+           '--eval_query_draws=1', config=config)
+  with open(os.path.join(workdir, 'eval', 'test_T2_step4.json')) as f:
+    assert json.load(f)['method'] == 'Pretraining + fine-tuning'
