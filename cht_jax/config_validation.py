@@ -255,10 +255,15 @@ def _episode_problems(c: ml_collections.ConfigDict) -> list[str]:
           f'{split_what} but the {split!r} split of {_split_name(c)} has only '
           f'{sizes[split]} classes: {fix}.')
   per_class = ep.shots + ep.queries_per_class
+  what = (f'episode.shots + episode.queries_per_class = {ep.shots} + '
+          f'{ep.queries_per_class} = {per_class}')
+  if ep.task_classes == 'same':  # No image in two tasks (episodes.images_per_class_needed).
+    per_class *= ep.num_tasks
+    what = (f'episode.num_tasks * (episode.shots + episode.queries_per_class) = '
+            f'{ep.num_tasks} * ({ep.shots} + {ep.queries_per_class}) = {per_class} '
+            "(task_classes='same': no image in two tasks)")
   if images_per_class and per_class > images_per_class[0]:
-    problems.append(
-        f'episode.shots + episode.queries_per_class = {ep.shots} + '
-        f'{ep.queries_per_class} = {per_class} images per class, but {images_per_class[1]}.')
+    problems.append(f'{what} images per class, but {images_per_class[1]}.')
   return problems
 
 

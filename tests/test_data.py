@@ -94,18 +94,34 @@ def test_disjoint_classes_and_distinct_images(class_images, bases):
 
 
 def test_same_classes_mode(class_images, bases):
-  spec = SPEC._replace(task_classes='same', num_tasks=8)
-  ep = _sample_episode(jax.random.key(2), class_images, spec, False)
-  ids = np.asarray(ep['class_ids'])
-  assert (ids == ids[:1]).all() and len(set(ids[0])) == spec.ways
-  draws = set()
-  for i, task in enumerate(_identify_episode(ep, spec, bases)):
-    for j, samples in enumerate(task):
-      assert {c for c, _, _ in samples} == {ids[i, j]}
-      images = tuple(m for _, m, _ in samples)
-      assert len(set(images)) == len(images)
-      draws.add((j, images))
-  assert len(draws) > spec.ways  # New images in each task.
+  """Every task has the same classes, each with its own images (no image in two
+  tasks: no query of one task is a support image of another) and one rotation."""
+  spec = SPEC._replace(task_classes='same', num_tasks=2)  # 2 * (2 + 3) = all 10 images.
+  for seed in range(3):
+    ep = _sample_episode(jax.random.key(seed), class_images, spec, True)
+    ids = np.asarray(ep['class_ids'])
+    assert (ids == ids[:1]).all() and len(set(ids[0])) == spec.ways
+    samples = _identify_episode(ep, spec, bases)  # [T][K][N+Q] of (class, image, turns).
+    for j in range(spec.ways):
+      of_class = [s for task in samples for s in task[j]]
+      assert {c for c, _, _ in of_class} == {ids[0, j]}
+      assert len({m for _, m, _ in of_class}) == len(of_class) == 10
+      assert len({r for _, _, r in of_class}) == 1
+  with pytest.raises(ValueError, match=r'3 tasks \* \(2 \+ 3\) = 15 distinct'):
+    episodes.validate_spec(SPEC._replace(task_classes='same'), class_images.shape)
+
+
+def test_same_classes_evaluation_queries_avoid_every_support_image(class_images, bases):
+  spec = SPEC._replace(task_classes="same", num_tasks=2)
+  ep = episodes.sample_evaluation_episode(jax.random.key(7), class_images, spec, 3)
+  t, k, n, q = spec[:4]
+  support = _to_uint8(ep['support_images']).reshape(t, k, n, SIZE, SIZE)
+  queries = _to_uint8(ep['query_images']).reshape(3, t, k, q, SIZE, SIZE)
+  for j in range(k):
+    support_ids = [_identify(im, bases)[1] for i in range(t) for im in support[i, j]]
+    assert len(set(support_ids)) == t * n  # Distinct support batches.
+    query_ids = {_identify(im, bases)[1] for r in range(3) for i in range(t) for im in queries[r, i, j]}
+    assert not query_ids & set(support_ids)
 
 
 def test_rotation_same_for_support_and_query_of_a_class(class_images, bases):

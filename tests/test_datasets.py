@@ -356,7 +356,11 @@ def test_host_pipeline_is_a_function_of_seed_and_step(train_source):
 
 def test_host_pipeline_uint8_resize_and_same_classes(train_source):
   source, index = train_source
-  spec = SPEC._replace(task_classes='same')
+  spec = SPEC._replace(task_classes='same', queries_per_class=1)  # 2 * (2 + 1) = 6 images.
+  records, _ = pipeline.episode_indices(0, 5, index, spec, 2)  # [B, T, K, N+Q]
+  for b in range(2):
+    for k in range(spec.ways):  # No image in two tasks, as on the device path.
+      assert len(set(records[b, :, k].ravel())) == spec.num_tasks * 3
   batch = next(pipeline.episode_batches(source, index, spec, 2, 0, 5, 16, 3,
                                         normalize=False))
   assert batch['support_images'].dtype == np.uint8

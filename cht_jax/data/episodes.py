@@ -94,15 +94,30 @@ def validate_spec(spec: EpisodeSpec, class_images_shape: tuple[int, ...],
   elif spec.ways > num_classes:
     raise ValueError(f'episode.ways = {spec.ways} classes needed but the split'
                      f' has only {num_classes}.')
-  per_class = spec.shots + spec.queries_per_class
+  per_class = images_per_class_needed(spec)
   if per_class > num_images:
+    what = (f'episode.shots + episode.queries_per_class = {spec.shots} + '
+            f'{spec.queries_per_class}')
+    if spec.task_classes == 'same':  # No image in two tasks.
+      what = (f'episode.num_tasks * (episode.shots + episode.queries_per_class) = '
+              f'{spec.num_tasks} tasks * ({spec.shots} + {spec.queries_per_class})')
     raise ValueError(
-        f'episode.shots + episode.queries_per_class = {spec.shots} + '
-        f'{spec.queries_per_class} = {per_class} distinct images per class '
+        f'{what} = {per_class} distinct images per class '
         f'needed but the split has only {num_images} per class.')
   if rotate and height != width:
     raise ValueError(f'Rotation augmentation needs square images, got '
                      f'{height}x{width}.')
+
+
+def images_per_class_needed(spec: EpisodeSpec) -> int:
+  """Distinct images an episode draws from each of its classes.
+
+  N + Q; with the same classes in every task (task_classes='same'), T * (N + Q):
+  no image is in two tasks, so no query of one task is a support image of
+  another and no support batch repeats another (the mini-batch setting).
+  """
+  per_task = spec.shots + spec.queries_per_class
+  return per_task * (spec.num_tasks if spec.task_classes == 'same' else 1)
 
 
 def normalize(images_uint8: jax.Array) -> jax.Array:
@@ -171,9 +186,20 @@ def _draw_domain_classes(key: jax.Array, spec: EpisodeSpec) -> jax.Array:
 
 def _draw_images(key: jax.Array, num_images: int,
                  spec: EpisodeSpec) -> jax.Array:
-  """Image ids int32 [T, K, N+Q]: distinct within each (task, class)."""
-  return _random_subset(key, (spec.num_tasks, spec.ways), num_images,
-                        spec.shots + spec.queries_per_class)
+  """Image ids int32 [T, K, N+Q]: distinct within each (task, class), and
+  within each class across tasks when the tasks share their classes."""
+  t, k, per_task = spec.num_tasks, spec.ways, spec.shots + spec.queries_per_class
+  if spec.task_classes == 'same':
+    ids = _random_subset(key, (k,), num_images, t * per_task)  # [K, T*(N+Q)]
+    return ids.reshape(k, t, per_task).transpose(1, 0, 2)
+  return _random_subset(key, (t, k), num_images, per_task)
+
+
+def _rotations(key: jax.Array, spec: EpisodeSpec) -> jax.Array:
+  """Quarter turns int32 [T, K], one per class (the same in every task that has it)."""
+  if spec.task_classes == 'same':
+    return jnp.tile(jax.random.randint(key, (1, spec.ways), 0, 4), (spec.num_tasks, 1))
+  return jax.random.randint(key, (spec.num_tasks, spec.ways), 0, 4)
 
 
 def _labels(spec: EpisodeSpec, per_class: int) -> jax.Array:
@@ -210,7 +236,7 @@ def sample_episode(key: jax.Array, class_images: jax.Array, spec: EpisodeSpec,
   image_ids = _draw_images(image_key, num_images, spec)
   images = jnp.asarray(class_images)[class_ids[..., None], image_ids]
   if rotate:  # images: [T, K, N+Q, H, W, D].
-    images = rotate90(images, jax.random.randint(rotate_key, (t, k), 0, 4))
+    images = rotate90(images, _rotations(rotate_key, spec))
   images = normalize(images)
   return {
       'support_images': images[:, :, :n].reshape(t, k * n, height, width,
@@ -277,11 +303,14 @@ def sample_evaluation_episode(key: jax.Array, class_images: jax.Array,
   t, k, n, q = (spec.num_tasks, spec.ways, spec.shots, spec.queries_per_class)
   class_key, support_key, query_key = jax.random.split(key, 3)
   class_ids = _draw_classes(class_key, num_classes, spec)
-  support_ids = _random_subset(support_key, (t, k), num_images, n)  # [T, K, N]
-  # Each draw: the top-Q of uniform scores, with the support images scored -1.
+  support_ids = _draw_images(support_key, num_images, spec._replace(queries_per_class=0))
+  # Each draw: the top-Q of uniform scores, with the support images scored -1
+  # (those of every task that has the class, with task_classes='same').
   scores = jax.random.uniform(query_key, (num_query_draws, t, k, num_images))
   in_support = jnp.any(
       support_ids[..., None] == jnp.arange(num_images), axis=-2)  # [T, K, M]
+  if spec.task_classes == 'same':
+    in_support = jnp.broadcast_to(jnp.any(in_support, axis=0), in_support.shape)
   scores = jnp.where(in_support, -1.0, scores)
   query_ids = jax.lax.top_k(scores, q)[1].astype(jnp.int32)  # [R, T, K, Q]
   images = jnp.asarray(class_images)

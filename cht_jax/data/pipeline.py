@@ -187,6 +187,12 @@ def episode_indices(seed: int, step: int, index: ClassIndex,
   classes = np.stack([_draw_classes(rng, len(index.records), spec)
                       for _ in range(num_episodes)])
   records = np.empty(classes.shape + (per_class,), np.int64)
+  if spec.task_classes == 'same':  # No image in two tasks (episodes.images_per_class_needed).
+    for b, k in np.ndindex(num_episodes, spec.ways):
+      pool = index.records[classes[b, 0, k]]
+      chosen = rng.choice(len(pool), spec.num_tasks * per_class, replace=False)
+      records[b, :, k] = pool[chosen].reshape(spec.num_tasks, per_class)
+    return records, classes.astype(np.int32)
   for pos in np.ndindex(classes.shape):
     pool = index.records[classes[pos]]
     records[pos] = pool[rng.choice(len(pool), per_class, replace=False)]
