@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import config_flags
 
+from cht_jax import continual
 from cht_jax import models
 from cht_jax import train
 from cht_jax.data import episodes as episodes_lib
@@ -66,9 +67,25 @@ def _peak_memory_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def episode_flops(config, ht, params, episode) -> float:
+  """XLA-counted FLOPs of one episode's loss and gradient.
+
+  Counted on the vmapped, unrolled form: XLA's cost analysis counts the body
+  of a loop once whatever its trip count, so the looped step (CPU) or the
+  scan over tasks would be undercounted.
+  """
+  loss = lambda p: continual.episode_loss(ht, p, episode, config.loss, config.model.remat,
+                                          vectorize=True, unroll=True)[0]
+  compiled = jax.jit(jax.grad(loss)).lower(params).compile()
+  return compiled.cost_analysis().get('flops', float('nan'))
+
+
 def bench_config(config, batch_size: int, class_images, min_seconds: float,
-                 matmul_rate: float) -> dict:
-  """Times one (T, episodes per step) setting."""
+                 matmul_rate: float, flops_cache: dict | None = None) -> dict:
+  """Times one (T, episodes per step) setting.
+
+  `flops_cache`: T -> FLOPs of one episode, filled on first use (one compile per T).
+  """
   config = config.copy_and_resolve_references()
   config.train.episodes_per_step = batch_size
   ht = models.build_hypertransformer(config)
@@ -81,7 +98,13 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   start = time.perf_counter()
   compiled = step.lower(state, class_images, key).compile()
   compile_seconds = time.perf_counter() - start
-  step_flops = compiled.cost_analysis().get('flops', float('nan'))
+  spec = train.episode_spec(config)
+  episode = episodes_lib.sample_episode(key, class_images, spec, rotate=False)
+  flops_cache = {} if flops_cache is None else flops_cache
+  num_tasks = config.episode.num_tasks
+  if num_tasks not in flops_cache:
+    flops_cache[num_tasks] = episode_flops(config, ht, state.params, episode)
+  step_flops = batch_size * flops_cache[num_tasks]
 
   holder = [state]
   def one_step():
@@ -90,7 +113,6 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   step_seconds = _time(one_step, min_seconds)
   params = holder[0].params
 
-  spec = train.episode_spec(config)
   sample = jax.jit(lambda k: episodes_lib.sample_episodes(
       k, class_images, spec, batch_size, rotate=config.data.rotate))
   jax.block_until_ready(sample(key))
@@ -142,13 +164,14 @@ def main(argv):
         f"JAX {header['jax']}, fp32 matmul {gflops:.0f} GFLOP/s")
   print(f"{'T':>2} {'B':>3} {'compile s':>9} {'steps/s':>8} {'episodes/s':>10} "
         f"{'of matmul':>9} {'eval ep/s':>9} {'sampling ep/s':>13} {'peak MB':>8}", flush=True)
-  rows = []
+  rows, flops_cache = [], {}
   for num_tasks in FLAGS.tasks or [config.episode.num_tasks]:
     config.episode.num_tasks = int(num_tasks)
     for batch_size in FLAGS.batch_sizes:
       # Each row is printed as soon as it is measured: a long run shows progress
       # and a killed one keeps what it had.
-      r = bench_config(config, int(batch_size), class_images, FLAGS.min_seconds, gflops)
+      r = bench_config(config, int(batch_size), class_images, FLAGS.min_seconds, gflops,
+                       flops_cache)
       rows.append(r)
       print(f"{r['num_tasks']:>2} {r['episodes_per_step']:>3} {r['compile_s']:>9.1f} "
             f"{r['steps_per_s']:>8.2f} {r['episodes_per_s']:>10.1f} "

@@ -37,7 +37,7 @@ class TaskPairs(NamedTuple):
 
 def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
                     support_images: jax.Array, support_labels: jax.Array,
-                    theta_init: Any = None, remat: bool = True):
+                    theta_init: Any = None, remat: bool = True, unroll: bool = False):
   """Runs the HyperTransformer over the tasks of one episode.
 
   Args:
@@ -46,6 +46,8 @@ def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
     theta_init: theta_{-1}; None for zeros (the first task is plain HT).
     remat: rematerialise each task's generation in the backward pass, so
       memory does not grow with every intermediate of every task.
+    unroll: unroll the scan over tasks (the benchmark counts FLOPs this way:
+      XLA's cost analysis counts a loop's body once).
 
   Returns:
     thetas: theta_0..theta_{T-1}, each leaf stacked on a leading T axis.
@@ -64,7 +66,7 @@ def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
   if remat:
     task_step = jax.checkpoint(task_step)
   _, (thetas, prototypes) = jax.lax.scan(
-      task_step, theta_init, (support_images, support_labels))
+      task_step, theta_init, (support_images, support_labels), unroll=unroll)
   return thetas, prototypes
 
 
@@ -127,7 +129,7 @@ def pair_losses(loss: str, query_embeddings: jax.Array, query_labels: jax.Array,
 
 def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
                  loss: str = 'class_incremental', remat: bool = True,
-                 vectorize: bool | None = None):
+                 vectorize: bool | None = None, unroll: bool = False):
   """Algorithm 1 for one episode: sum over t of sum over tau <= t of L(Q(tau); theta_t).
 
   Each term is the mean over the queries of Q(tau) (as the original HT's
@@ -141,7 +143,8 @@ def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
   num_tasks = episode['support_images'].shape[0]
   pairs = TaskPairs.lower_triangle(num_tasks)
   thetas, prototypes = generate_thetas(
-      ht, ht_params, episode['support_images'], episode['support_labels'], remat=remat)
+      ht, ht_params, episode['support_images'], episode['support_labels'], remat=remat,
+      unroll=unroll)
   embeddings = embed_queries(ht, thetas, episode['query_images'], pairs, remat=remat,
                              vectorize=vectorize)
   cross_entropy, accuracy = pair_losses(
