@@ -16,7 +16,8 @@ Sweeps (`SWEEPS`): omniglot_tasks (CHT T=1..5), omniglot_channels (4, 6, 8, 16, 
 channels x T=2..5), baselines (CHT, ConstPN, Merged HT, HT with cross-entropy,
 task-incremental CHT, all at --num_tasks), table1 (CHT, pretraining + fine-tuning, EWC,
 MAML++ at --num_tasks), merged_ht (Merged HT T=2..5, the stars of
-the paper's Figure 4), minibatch (the five arms of section 5.1). `--only=a,b` keeps
+the paper's Figure 4), minibatch (the five arms of section 5.1 on Omniglot),
+tiered_minibatch (the same on tieredImageNet 5-way, as in the paper). `--only=a,b` keeps
 some runs. Each run is `python -m cht_jax.main --config=FILE:ARGS[,variant]
 --workdir=<root>/<run> [--override ...]`, then the same with `--mode=eval [--eval_flag
 ...]`; a workdir that holds checkpoints resumes, so rerunning a sweep finishes it.
@@ -41,6 +42,9 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+MINIBATCH_ARMS = ('all_at_once', 'two_plus_two', 'one_at_a_time', 'ht_one', 'ht_two')
+
+
 # name -> [(run name, config file, config arguments before the variant)].
 def _sweeps(num_tasks: int) -> dict[str, list[tuple[str, str, list[str]]]]:
   t = str(num_tasks)
@@ -61,9 +65,10 @@ def _sweeps(num_tasks: int) -> dict[str, list[tuple[str, str, list[str]]]]:
           for method in ('finetune', 'ewc', 'maml')],
       'merged_ht': [(f'merged_ht_t{k}', 'configs/omniglot_merged_ht.py', [str(k)])
                     for k in range(2, 6)],
-      'minibatch': [(arm, 'configs/omniglot_minibatch.py', [arm])
-                    for arm in ('all_at_once', 'two_plus_two', 'one_at_a_time', 'ht_one',
-                                'ht_two')],
+      'minibatch': [(arm, 'configs/omniglot_minibatch.py', [arm]) for arm in MINIBATCH_ARMS],
+      # The paper's setting: tieredImageNet 5-way.
+      'tiered_minibatch': [(arm, 'configs/tiered_imagenet_minibatch.py', [arm])
+                           for arm in MINIBATCH_ARMS],
   }
 
 

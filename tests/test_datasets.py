@@ -465,6 +465,16 @@ def test_shipped_configs_are_valid(module, variant):
   assert datasets.image_shape(config)[-1] == 3
 
 
+@pytest.mark.parametrize('arm', ['all_at_once', 'two_plus_two', 'one_at_a_time', 'ht_one',
+                                 'ht_two'])
+def test_tiered_minibatch_arms_are_valid(arm):
+  from configs import tiered_imagenet_minibatch  # pylint: disable=g-import-not-at-top
+  config = config_validation.validate(tiered_imagenet_minibatch.get_config(arm), num_devices=1)
+  assert (config.episode.ways, config.data.image_size, config.loss) == (5, 84, 'cross_entropy')
+  assert config.episode.task_classes == 'same'
+  assert config.episode.num_tasks * config.episode.shots in (1, 2, 4)  # One to four batches.
+
+
 def test_tiered_paper_settings():
   from configs import tiered_imagenet_t5  # pylint: disable=g-import-not-at-top
   c = tiered_imagenet_t5.get_config()
