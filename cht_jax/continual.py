@@ -140,16 +140,25 @@ def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
     'final_accuracy' (theta_{T-1} on the queries of all T tasks) and
     'theta_norm' (global norm of theta_0..theta_{T-1}, watched for divergence).
   """
-  num_tasks = episode['support_images'].shape[0]
-  pairs = TaskPairs.lower_triangle(num_tasks)
   thetas, prototypes = generate_thetas(
       ht, ht_params, episode['support_images'], episode['support_labels'], remat=remat,
       unroll=unroll)
+  pairs = TaskPairs.lower_triangle(episode['support_images'].shape[0])
+  return pairs_loss(ht, thetas, prototypes, episode, loss, pairs, remat, vectorize)
+
+
+def pairs_loss(ht, thetas: Any, prototypes: jax.Array, episode: Episode, loss: str,
+               pairs: TaskPairs, remat: bool = True, vectorize: bool | None = None):
+  """The sum over `pairs` of L(Q(tau); theta_t) given theta_0..theta_{T-1} and prototypes.
+
+  `ht`: anything with the generated network as `.cnn` (a HyperTransformer, or
+  a `methods` baseline). Returns (loss, metrics) as `episode_loss`.
+  """
   embeddings = embed_queries(ht, thetas, episode['query_images'], pairs, remat=remat,
                              vectorize=vectorize)
   cross_entropy, accuracy = pair_losses(
       loss, embeddings, episode['query_labels'], prototypes, pairs)
-  final = pairs.t == num_tasks - 1
+  final = pairs.t == episode['support_images'].shape[0] - 1
   metrics = {
       'loss': jnp.sum(cross_entropy),
       'accuracy': jnp.mean(accuracy),

@@ -282,7 +282,7 @@ def make_evaluate_batch(ht, spec: episodes_lib.EpisodeSpec, num_query_draws: int
   """
   pairs = continual.TaskPairs.lower_triangle(spec.num_tasks)
   if vectorize is None:
-    vectorize = jax.default_backend() != 'cpu'
+    vectorize = continual.default_vectorize()
   mesh = mesh or train.data_mesh()
 
   def evaluate_shard(params, class_images, key, indices):
@@ -315,6 +315,19 @@ def run_protocol(ht, params, class_images, spec: episodes_lib.EpisodeSpec,
     first batch with compilation) and episodes_per_second (after the first
     batch).
   """
+  evaluate_batch = make_evaluate_batch(ht, spec, protocol.num_query_draws, vectorize)
+  return run_batches(evaluate_batch, params, class_images, spec, protocol, jax.device_count())
+
+
+def run_batches(evaluate_batch, params, class_images, spec: episodes_lib.EpisodeSpec,
+                protocol: Protocol, num_shards: int) -> dict[str, Any]:
+  """Runs the protocol's episodes through `evaluate_batch`, in batches.
+
+  `evaluate_batch(params, class_images, key, indices [B])` -> (task-incremental,
+  class-incremental) accuracies [B, P] of episodes `indices` (`make_evaluate_batch`,
+  or a baseline's); batches are whole multiples of `num_shards` (the devices it
+  spreads them over). Returns what `run_protocol` does.
+  """
   try:
     episodes_lib.validate_spec(spec, np.shape(class_images))
   except ValueError as e:
@@ -323,12 +336,10 @@ def run_protocol(ht, params, class_images, spec: episodes_lib.EpisodeSpec,
         f'{spec.queries_per_class} queries per class: {e} Lower --eval_tasks or '
         '--eval_queries_per_class, or use --eval_split=test.') from None
   class_images = jnp.asarray(class_images)
-  evaluate_batch = make_evaluate_batch(ht, spec, protocol.num_query_draws, vectorize)
   key = jax.random.key(protocol.seed)
   # Whole multiples of the device count, at most what is needed.
-  devices = jax.device_count()
   num = protocol.num_episodes
-  size = devices * math.ceil(min(protocol.batch_size, num) / devices)
+  size = num_shards * math.ceil(min(protocol.batch_size, num) / num_shards)
   num_batches = math.ceil(num / size)
   pairs = continual.TaskPairs.lower_triangle(spec.num_tasks)
   outputs = []
@@ -351,7 +362,7 @@ def run_protocol(ht, params, class_images, spec: episodes_lib.EpisodeSpec,
   rate = steady / (total - first_seconds) if steady else num / total
   result = {'timing': {'seconds': total, 'first_batch_seconds': first_seconds,
                        'episodes_per_second': rate,
-                       'device': f'{devices} x {jax.devices()[0].device_kind}'}}
+                       'device': f'{num_shards} x {jax.devices()[0].device_kind}'}}
   for i, name in enumerate(('task_incremental', 'class_incremental')):
     per_pair = np.concatenate([o[i] for o in outputs])[:num].astype(np.float64)
     matrix = np.full((num, spec.num_tasks, spec.num_tasks), np.nan)

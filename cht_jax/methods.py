@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from cht_jax import continual
 from cht_jax import losses
@@ -64,21 +63,10 @@ def _broadcast(tree: Any, num_tasks: int) -> Any:
 def _loss_over_pairs(method, params, episode, loss: str, remat: bool,
                      pairs: continual.TaskPairs, vectorize: bool | None = None):
   """`continual.episode_loss` with the thetas of `method` and the given pairs."""
-  num_tasks = episode['support_images'].shape[0]
   thetas, prototypes = method.thetas_and_prototypes(
       params, episode['support_images'], episode['support_labels'], remat=remat)
-  embeddings = continual.embed_queries(method, thetas, episode['query_images'], pairs,
-                                       remat=remat, vectorize=vectorize)
-  cross_entropy, accuracy = continual.pair_losses(
-      loss, embeddings, episode['query_labels'], prototypes, pairs)
-  final = pairs.t == num_tasks - 1
-  metrics = {
-      'loss': jnp.sum(cross_entropy),
-      'accuracy': jnp.mean(accuracy),
-      'final_accuracy': jnp.mean(accuracy[final]),
-      'theta_norm': optax.tree.norm(thetas),
-  }
-  return metrics['loss'], metrics
+  return continual.pairs_loss(method, thetas, prototypes, episode, loss, pairs, remat,
+                              vectorize)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,10 +44,15 @@ def apply_arm(config, arm: str):
   return config
 
 
-def get_config(arg=None):
+def parse_arm(arg: str | None) -> tuple[str, str, int]:
+  """'ARM[,variant]' -> (arm, variant, T of the arm); the arm is checked by `apply_arm`."""
   parts = [p.strip() for p in (arg or 'one_at_a_time').split(',')]
   arm, variant = parts[0], (parts[1] if len(parts) > 1 else '')
-  num_tasks = ARMS.get(arm, (1, 1))[0]
+  return arm, variant, ARMS.get(arm, (1, 1))[0]
+
+
+def get_config(arg=None):
+  arm, variant, num_tasks = parse_arm(arg)
   config = omniglot_base.get_config(
       num_tasks=num_tasks, learning_rate=omniglot_base.paper_learning_rate(num_tasks),
       variant=variant)

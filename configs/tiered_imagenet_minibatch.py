@@ -16,9 +16,7 @@ from configs import tiered_imagenet_base
 
 
 def get_config(arg=None):
-  parts = [p.strip() for p in (arg or 'one_at_a_time').split(',')]
-  arm, variant = parts[0], (parts[1] if len(parts) > 1 else '')
-  num_tasks = omniglot_minibatch.ARMS.get(arm, (1, 1))[0]
+  arm, variant, num_tasks = omniglot_minibatch.parse_arm(arg)
   config = tiered_imagenet_base.get_config(num_tasks=num_tasks, variant=variant)
   if variant != 'tiny':
     config.data.images_per_class = 100  # One at a time: 4 * (1 + 20) = 84 per class.

@@ -26,10 +26,8 @@ def tiny_ht():
       embedding_dim=8, image_features=8, num_layers=1, num_heads=2)
 
 
-def tiny_config(**overrides):
-  """configs/omniglot_t2.py:tiny with dotted overrides: tiny_config(**{'optim.name': 'sgd'})."""
-  from configs import omniglot_t2  # pylint: disable=g-import-not-at-top
-  config = omniglot_t2.get_config('tiny')  # T=2, 3-way 1-shot, 16x16 images.
+def override(config, overrides: dict):
+  """Sets dotted fields in place, as --config.x.y=... does: {'optim.name': 'sgd'}."""
   with config.unlocked():
     for dotted, value in overrides.items():
       node = config
@@ -38,6 +36,12 @@ def tiny_config(**overrides):
         node = node[name]
       node[leaf] = value
   return config
+
+
+def tiny_config(**overrides):
+  """configs/omniglot_t2.py:tiny with dotted overrides: tiny_config(**{'optim.name': 'sgd'})."""
+  from configs import omniglot_t2  # pylint: disable=g-import-not-at-top
+  return override(omniglot_t2.get_config('tiny'), overrides)  # T=2, 3-way 1-shot, 16x16.
 
 
 def class_images(num_classes=12, images_per_class=20, size=16, seed=0):

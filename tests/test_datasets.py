@@ -24,6 +24,7 @@ from cht_jax.data import multidomain
 from cht_jax.data import pipeline
 from cht_jax.data import tiered_imagenet
 from cht_jax.data.omniglot import DataError
+from conftest import override
 
 MAX_X = 255 / 128 - 1  # The largest normalized value.
 
@@ -550,14 +551,7 @@ def test_multidomain_evaluation_draws_one_domain_per_task(tmp_path):
 ])
 def test_new_config_mistakes_are_named(module, overrides, message):
   import importlib  # pylint: disable=g-import-not-at-top
-  config = importlib.import_module(f'configs.{module}').get_config()
-  with config.unlocked():
-    for dotted, value in overrides.items():
-      node = config
-      *path, leaf = dotted.split('.')
-      for name in path:
-        node = node[name]
-      node[leaf] = value
+  config = override(importlib.import_module(f'configs.{module}').get_config(), overrides)
   with pytest.raises(config_validation.ConfigError) as error:
     config_validation.validate(config, num_devices=1)
   assert message in str(error.value), str(error.value)

@@ -18,9 +18,7 @@ files as `evaluate.write_results`: `<workdir>/eval/<split>_T<T>_step<step>.*`.
 """
 
 import dataclasses
-import functools
 import json
-import math
 import os
 import time
 from typing import Any
@@ -305,40 +303,11 @@ def run_protocol(config: ml_collections.ConfigDict, params: Any, class_images,
                  ) -> dict[str, Any]:
   """`evaluate.run_protocol` for a baseline: per-episode matrices [E, T, T] and timing."""
   spec = evaluate_lib.evaluation_spec(config, protocol)
-  try:
-    episodes_lib.validate_spec(spec, np.shape(class_images))
-  except ValueError as e:
-    raise evaluate_lib.EvaluationError(
-        f'Cannot draw {protocol.split} episodes of {spec.num_tasks} tasks with '
-        f'{spec.queries_per_class} queries per class: {e} Lower --eval_tasks or '
-        '--eval_queries_per_class.') from None
   if vectorize is None:
-    vectorize = jax.default_backend() != 'cpu'
+    vectorize = continual.default_vectorize()
   evaluate_batch = make_evaluate_batch(config, spec, protocol.num_query_draws, vectorize)
-  class_images = jnp.asarray(class_images)
-  key = jax.random.key(protocol.seed)
-  num = protocol.num_episodes
-  size = min(protocol.batch_size, num)
-  num_batches = math.ceil(num / size)
-  outputs, start, first_seconds = [], time.perf_counter(), None
-  for b in range(num_batches):
-    indices = jnp.arange(b * size, (b + 1) * size, dtype=jnp.int32)
-    outputs.append(jax.device_get(evaluate_batch(params, class_images, key, indices)))
-    if first_seconds is None:
-      first_seconds = time.perf_counter() - start
-  total = time.perf_counter() - start
-  steady = (num_batches - 1) * size
-  result = {'timing': {
-      'seconds': total, 'first_batch_seconds': first_seconds,
-      'episodes_per_second': steady / (total - first_seconds) if steady else num / total,
-      'device': f'1 x {jax.devices()[0].device_kind}'}}
-  pairs = continual.TaskPairs.lower_triangle(spec.num_tasks)
-  for i, name in enumerate(('task_incremental', 'class_incremental')):
-    per_pair = np.concatenate([o[i] for o in outputs])[:num].astype(np.float64)
-    matrix = np.full((num, spec.num_tasks, spec.num_tasks), np.nan)
-    matrix[:, pairs.t, pairs.tau] = per_pair
-    result[name] = matrix
-  return result
+  return evaluate_lib.run_batches(evaluate_batch, params, class_images, spec, protocol,
+                                  num_shards=1)  # Baselines evaluate on one device.
 
 
 def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: evaluate_lib.Protocol,
