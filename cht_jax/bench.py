@@ -14,6 +14,7 @@ writes it as JSON.
 """
 
 import json
+import math
 import platform
 import resource
 import time
@@ -26,6 +27,7 @@ import numpy as np
 from ml_collections import config_flags
 
 from cht_jax import continual
+from cht_jax import devices
 from cht_jax import models
 from cht_jax import train
 from cht_jax.data import episodes as episodes_lib
@@ -37,26 +39,44 @@ flags.DEFINE_list('batch_sizes', ['1', '8', '32'], 'Episodes per step to time.')
 flags.DEFINE_integer('min_seconds', 10, 'Time each setting for at least this long.')
 flags.DEFINE_integer('num_classes', 1150, 'Classes in the fake training split.')
 flags.DEFINE_string('output', None, 'Where to write the table as JSON.')
+flags.DEFINE_bool('cpu_cores_as_devices', True, 'On CPU, one JAX device per core, as '
+                  'training runs (cht_jax/devices.py); False: one CPU device.')
 flags.mark_flag_as_required('config')
 
 
-def _time(fn, min_seconds: float) -> float:
-  """Seconds per call of `fn` (already compiled), over at least `min_seconds`."""
-  calls, start = 0, time.perf_counter()
-  while True:
-    jax.block_until_ready(fn())
-    calls += 1
-    elapsed = time.perf_counter() - start
-    if elapsed >= min_seconds and calls >= 3:
-      return elapsed / calls
+def _time(fn, min_seconds: float, blocking: bool = False) -> float:
+  """Seconds per call of `fn` (already compiled), over at least `min_seconds`.
+
+  Calls go back to back, as in training, where JAX's asynchronous dispatch
+  overlaps the Python side of one call with the execution of the one before;
+  with `blocking` each call waits for its result (a latency).
+  """
+  if blocking:
+    calls, start = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - start < min_seconds:
+      jax.block_until_ready(fn())
+      calls += 1
+    return (time.perf_counter() - start) / calls
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  calls = max(3, math.ceil(min_seconds / max(time.perf_counter() - start, 1e-6)))
+  start = time.perf_counter()
+  for _ in range(calls):
+    out = fn()
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / calls
 
 
 def matmul_gflops(min_seconds: float = 2.0) -> float:
-  """fp32 matrix-product rate of this machine, to express speeds as fractions."""
-  a = jnp.ones((1024, 1024), jnp.float32)
+  """fp32 matrix-product rate of this machine (all its devices at once), to
+  express speeds as fractions of it."""
+  mesh = devices.data_mesh()
+  n = mesh.shape['data']
+  a = jax.device_put(jnp.ones((n, 1024, 1024), jnp.float32),
+                     jax.NamedSharding(mesh, jax.P('data')))
   matmul = jax.jit(lambda x: x @ x)
   jax.block_until_ready(matmul(a))
-  return 2 * 1024 ** 3 / _time(lambda: matmul(a), min_seconds) / 1e9
+  return n * 2 * 1024 ** 3 / _time(lambda: matmul(a), min_seconds, blocking=True) / 1e9
 
 
 def _peak_memory_bytes() -> int:
@@ -72,9 +92,10 @@ def episode_flops(config, ht, params, episode) -> float:
 
   Counted on the vmapped, unrolled form: XLA's cost analysis counts the body
   of a loop once whatever its trip count, so the looped step (CPU) or the
-  scan over tasks would be undercounted.
+  scan over tasks would be undercounted. Without rematerialisation: the
+  work of the step itself, whether or not the timed step recomputes some.
   """
-  loss = lambda p: continual.episode_loss(ht, p, episode, config.loss, config.model.remat,
+  loss = lambda p: continual.episode_loss(ht, p, episode, config.loss, remat=False,
                                           vectorize=True, unroll=True)[0]
   compiled = jax.jit(jax.grad(loss)).lower(params).compile()
   return compiled.cost_analysis().get('flops', float('nan'))
@@ -92,7 +113,7 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   optimizer = train.make_optimizer(config.optim)
   image_shape = class_images.shape[2:]
   state = train.init_state(config, ht, optimizer, jax.random.key(0), image_shape)
-  step = train.make_train_step(config, ht, optimizer, train.data_mesh())
+  step = train.make_train_step(config, ht, optimizer, devices.data_mesh(batch_size))
   key = jax.random.key(1)
 
   start = time.perf_counter()
@@ -124,6 +145,7 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   return {
       'num_tasks': config.episode.num_tasks,
       'episodes_per_step': batch_size,
+      'num_devices': devices.num_data_devices(batch_size),
       'compile_s': compile_seconds,
       'steps_per_s': 1 / step_seconds,
       'episodes_per_s': batch_size / step_seconds,
@@ -147,11 +169,14 @@ def generation_latency(config, class_images, min_seconds: float) -> float:
   params = ht.init(jax.random.key(0), support_images, support_labels, theta)['params']
   generate = jax.jit(lambda p, x, y, t: ht.apply({'params': p}, x, y, t))
   theta = generate(params, support_images, support_labels, theta)
-  return _time(lambda: generate(params, support_images, support_labels, theta), min_seconds)
+  return _time(lambda: generate(params, support_images, support_labels, theta), min_seconds,
+               blocking=True)
 
 
 def main(argv):
   del argv
+  if FLAGS.cpu_cores_as_devices:
+    devices.use_cpu_cores()
   config = FLAGS.config
   size = config.data.image_size
   class_images = jnp.asarray(np.random.default_rng(0).integers(
@@ -162,7 +187,7 @@ def main(argv):
             'machine': platform.machine(), 'matmul_gflops': gflops}
   print(f"device {header['device']} x{header['num_devices']} ({header['platform']}), "
         f"JAX {header['jax']}, fp32 matmul {gflops:.0f} GFLOP/s")
-  print(f"{'T':>2} {'B':>3} {'compile s':>9} {'steps/s':>8} {'episodes/s':>10} "
+  print(f"{'T':>2} {'B':>3} {'dev':>3} {'compile s':>9} {'steps/s':>8} {'episodes/s':>10} "
         f"{'of matmul':>9} {'eval ep/s':>9} {'sampling ep/s':>13} {'peak MB':>8}", flush=True)
   rows, flops_cache = [], {}
   for num_tasks in FLAGS.tasks or [config.episode.num_tasks]:
@@ -173,7 +198,8 @@ def main(argv):
       r = bench_config(config, int(batch_size), class_images, FLAGS.min_seconds, gflops,
                        flops_cache)
       rows.append(r)
-      print(f"{r['num_tasks']:>2} {r['episodes_per_step']:>3} {r['compile_s']:>9.1f} "
+      print(f"{r['num_tasks']:>2} {r['episodes_per_step']:>3} {r['num_devices']:>3} "
+            f"{r['compile_s']:>9.1f} "
             f"{r['steps_per_s']:>8.2f} {r['episodes_per_s']:>10.1f} "
             f"{r['fraction_of_matmul_rate']:>9.1%} {r['forward_episodes_per_s']:>9.1f} "
             f"{r['sampling_episodes_per_s']:>13.0f} {r['peak_memory_bytes'] / 2**20:>8.0f}",

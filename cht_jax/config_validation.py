@@ -79,6 +79,14 @@ def _boolean(value) -> str | None:
   return None if isinstance(value, bool) else 'True or False'
 
 
+def _remat(value) -> str | None:
+  try:
+    continual.remat_option(value, vectorize=True, num_tasks=1)
+  except ValueError:
+    return f'one of {continual.REMAT_OPTIONS}'
+  return None
+
+
 def _string(value) -> str | None:
   return None if isinstance(value, str) else "a string ('' for the default)"
 
@@ -147,7 +155,7 @@ SCHEMA: dict[str, Check] = {
     'model.activation': _choice(tuple(transformer.ACTIVATIONS)),
     'model.generate_bn': _boolean,
     'model.conv_impl': _choice(ops.CONV_IMPLS),
-    'model.remat': _boolean,
+    'model.remat': _remat,
     'model.vectorize': _choice(continual.VECTORIZE_OPTIONS),
     'loss': _choice(losses.LOSSES),
     'method': _choice(methods.METHODS + baselines.METHODS),
@@ -373,7 +381,8 @@ def validate(config: Any, num_devices: int | None = None) -> ml_collections.Conf
   Args:
     config: the config (`configs/omniglot_*.py`), or what `config_flags` left
       when the config file failed to load.
-    num_devices: devices the episode batch is sharded over (default: all).
+    num_devices: devices the episode batch is sharded over (default:
+      `devices.num_data_devices`).
 
   Raises:
     ConfigError: naming every wrong field, its value and what would be valid.
@@ -383,8 +392,8 @@ def validate(config: Any, num_devices: int | None = None) -> ml_collections.Conf
   problems = _field_problems(_leaves(config))
   if not problems:  # Relations between fields need each field to be valid.
     if num_devices is None:
-      import jax  # pylint: disable=g-import-not-at-top
-      num_devices = jax.device_count()
+      from cht_jax import devices  # pylint: disable=g-import-not-at-top
+      num_devices = devices.num_data_devices(config.train.episodes_per_step)
     problems = (_episode_problems(config) + _model_problems(config, num_devices)
                 + _method_problems(config))
   if problems:

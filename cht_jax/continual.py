@@ -88,6 +88,32 @@ def vectorize_option(option: str) -> bool:
   return default_vectorize() if option == 'auto' else option == 'vmap'
 
 
+REMAT_OPTIONS = ('auto', True, False)
+
+
+# Up to this many tasks, 'auto' does not rematerialise looped episodes (CPU).
+REMAT_AUTO_MAX_TASKS_WITHOUT = 2
+
+
+def remat_option(option: str | bool, vectorize: bool, num_tasks: int) -> bool:
+  """`model.remat` ('auto' | True | False) -> whether to rematerialise.
+
+  'auto' rematerialises where the episodes of a batch are vmapped
+  (accelerators), for memory: the activations of the whole batch would be held
+  for the backward pass. Where they are looped (CPU), only one episode's are,
+  and speed decides (docs/performance.md): at T <= 2 recomputing them costs
+  20-25% of the step; from T = 3 on, the scan over tasks storing every task's
+  residuals costs more than recomputing them (2x at T = 5), so it remats. The
+  strings 'True' and 'False' count as the booleans.
+  """
+  option = {'true': True, 'false': False}.get(str(option).lower(), option)
+  if option not in REMAT_OPTIONS or (option != 'auto' and not isinstance(option, bool)):
+    raise ValueError(f'model.remat = {option!r}; expected one of {REMAT_OPTIONS}.')
+  if option == 'auto':
+    return vectorize or num_tasks > REMAT_AUTO_MAX_TASKS_WITHOUT
+  return option
+
+
 def embed_queries(ht: ht_lib.HyperTransformer, thetas: Any, query_images: jax.Array,
                   pairs: TaskPairs, remat: bool = True,
                   vectorize: bool | None = None) -> jax.Array:

@@ -38,6 +38,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from cht_jax import continual
+from cht_jax import devices
 from cht_jax import methods
 from cht_jax import metrics
 from cht_jax import train
@@ -278,12 +279,12 @@ def make_evaluate_batch(ht, spec: episodes_lib.EpisodeSpec, num_query_draws: int
     num_query_draws: R.
     vectorize: vmap over episodes, pairs and draws (accelerators) instead of
       looping over them (CPU); None picks by `jax.default_backend()`.
-    mesh: a 1-D mesh with axis 'data'; None for `train.data_mesh()`.
+    mesh: a 1-D mesh with axis 'data'; None for all devices.
   """
   pairs = continual.TaskPairs.lower_triangle(spec.num_tasks)
   if vectorize is None:
     vectorize = continual.default_vectorize()
-  mesh = mesh or train.data_mesh()
+  mesh = mesh or devices.data_mesh()
 
   def evaluate_shard(params, class_images, key, indices):
     def one(index):

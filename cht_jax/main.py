@@ -25,6 +25,7 @@ import jax
 from ml_collections import config_flags
 
 from cht_jax import config_validation
+from cht_jax import devices
 from cht_jax import evaluate
 from cht_jax import train
 from cht_jax.baselines import runner as baselines
@@ -61,6 +62,7 @@ flags.mark_flags_as_required(['config', 'workdir'])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  devices.use_cpu_cores()  # Where the CPU is the backend, each core takes its own episodes.
   if FLAGS.distributed:
     jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
                                num_processes=FLAGS.num_processes,

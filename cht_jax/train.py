@@ -43,6 +43,7 @@ import orbax.checkpoint as ocp
 
 from cht_jax import config_validation
 from cht_jax import continual
+from cht_jax import devices
 from cht_jax import methods
 from cht_jax.data import augment as augment_lib
 from cht_jax.data import datasets
@@ -107,12 +108,6 @@ def make_optimizer(optim: ml_collections.ConfigDict) -> optax.GradientTransforma
   if optim.grad_clip_norm > 0:
     optimizer = optax.chain(optax.clip_by_global_norm(optim.grad_clip_norm), optimizer)
   return optimizer
-
-
-def data_mesh() -> jax.sharding.Mesh:
-  """A 1-D mesh over all devices; the episode batch is split along 'data'."""
-  return jax.make_mesh((jax.device_count(),), ('data',),
-                       axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def episode_spec(config: ml_collections.ConfigDict,
@@ -195,10 +190,11 @@ def make_train_step(config, ht, optimizer, mesh, domain_sizes=(), host=False):
 
   num_shards = mesh.shape['data']
   vectorize = continual.vectorize_option(config.model.vectorize)
+  remat = continual.remat_option(config.model.remat, vectorize, spec.num_tasks)
 
   def loss_fn(params, episode):
-    return methods.as_method(ht).episode_loss(params, episode, config.loss,
-                                              config.model.remat, vectorize=vectorize)
+    return methods.as_method(ht).episode_loss(params, episode, config.loss, remat,
+                                              vectorize=vectorize)
 
   def train_step(state: TrainState, class_images, key):
     if host:  # `class_images` is the step's episode batch.
@@ -620,7 +616,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   ht = methods.build(config)  # config.method: CHT or a baseline.
   optimizer = make_optimizer(config.optim)
   image_shape = datasets.image_shape(config)
-  mesh = data_mesh()
+  mesh = devices.data_mesh(config.train.episodes_per_step)
   replicated = jax.NamedSharding(mesh, jax.P())
   init_key, train_key, eval_key = jax.random.split(jax.random.key(config.seed), 3)
   init = jax.jit(lambda key: init_state(config, ht, optimizer, key, image_shape),

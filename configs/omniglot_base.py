@@ -70,7 +70,11 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.model.activation = 'relu'
   config.model.generate_bn = False
   config.model.conv_impl = 'patches'  # or 'lax'; same numbers, see models/cnn.py.
-  config.model.remat = True
+  # Rematerialise each task's generation in the backward pass: 'auto' does where the
+  # episodes are vmapped (accelerators; memory), and where they are looped (CPU) from
+  # T = 3 on, where it is faster (continual.remat_option).
+  # Any type: 'auto' or a bool (a plain str field would refuse `config.model.remat = False`).
+  config.model.remat = ml_collections.FieldReference('auto', field_type=object)
   # Pairs of (theta_t, Q(tau)) and the episodes of a batch: vmapped or looped.
   # 'auto' loops on CPU (cache-friendly there) and vmaps on GPU/TPU.
   config.model.vectorize = 'auto'

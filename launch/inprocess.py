@@ -29,6 +29,7 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from cht_jax import config_validation  # pylint: disable=g-import-not-at-top,wrong-import-position
+from cht_jax import devices  # pylint: disable=g-import-not-at-top,wrong-import-position
 from cht_jax import evaluate  # pylint: disable=g-import-not-at-top,wrong-import-position
 from cht_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 from cht_jax import train  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -55,7 +56,7 @@ def run(name, spec, data, args):
   size = config.data.image_size
   key = jax.random.key(config.seed)
   init_key, train_key = jax.random.split(key)
-  mesh = train.data_mesh()
+  mesh = devices.data_mesh(config.train.episodes_per_step)
   replicated = jax.NamedSharding(mesh, jax.P())  # As train.py: one compiled step.
   state = jax.jit(lambda k: train.init_state(config, method, optimizer, k, (size, size, 1)),
                   out_shardings=replicated)(init_key)

@@ -13,6 +13,7 @@ import pytest
 
 from cht_jax import config_validation
 from cht_jax import continual
+from cht_jax import devices
 from cht_jax import evaluate
 from cht_jax import losses
 from cht_jax import methods
@@ -43,7 +44,7 @@ def train_and_evaluate(config, images, steps=3):
   method = methods.build(config)
   optimizer = train.make_optimizer(config.optim)
   state = train.init_state(config, method, optimizer, jax.random.key(0), IMAGE_SHAPE)
-  step = train.make_train_step(config, method, optimizer, train.data_mesh())
+  step = train.make_train_step(config, method, optimizer, devices.data_mesh())
   for i in range(steps):
     state, metrics = step(state, images, jax.random.key(i))
     assert not metrics['skipped'] and np.isfinite(float(metrics['loss']))

@@ -50,6 +50,21 @@ def test_gradients_with_and_without_remat_agree(tiny_ht, tiny_params, tiny_episo
                with_remat, without)
 
 
+@pytest.mark.parametrize('option, vectorize, num_tasks, expected', [
+    ('auto', True, 1, True), ('auto', False, 1, False), ('auto', False, 2, False),
+    ('auto', False, 3, True), (True, False, 1, True), (False, True, 5, False),
+    ('False', True, 5, False), ('true', False, 1, True)])
+def test_remat_option(option, vectorize, num_tasks, expected):
+  # 'auto' rematerialises vmapped episodes (memory) and looped ones from T = 3 on
+  # (speed); the strings 'True' and 'False' count as the booleans.
+  assert continual.remat_option(option, vectorize, num_tasks) is expected
+
+
+def test_remat_option_rejects_other_values():
+  with pytest.raises(ValueError, match='model.remat'):
+    continual.remat_option('sometimes', True, 1)
+
+
 def test_theta_t_depends_on_theta_prev(tiny_ht, tiny_params, tiny_episode):
   support, labels = tiny_episode['support_images'][0], tiny_episode['support_labels'][0]
   zeros = ht_lib.zeros_theta(tiny_ht.cnn, support.shape[1:])

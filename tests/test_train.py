@@ -8,6 +8,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from cht_jax import continual
+from cht_jax import devices
 from cht_jax import models
 from cht_jax import train
 from conftest import class_images, make_episode, tiny_config
@@ -24,7 +25,7 @@ def make_state(config, key=0):
 def test_a_few_steps_lower_the_loss():
   config = tiny_config()
   ht, optimizer, state = make_state(config)
-  mesh = train.data_mesh()
+  mesh = devices.data_mesh()
   step_fn = train.make_train_step(config, ht, optimizer, mesh)
   images = jnp.asarray(class_images())
   key = jax.random.key(3)  # The same episodes every step: the loss must fall.

@@ -25,13 +25,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _MAX_U = 255.0 / 256.0  # Largest value of the [0, 1) scale: pixel 255.
 # RGB <-> YIQ (NTSC).
-_RGB_TO_YIQ = jnp.array([[0.299, 0.587, 0.114],
-                         [0.595716, -0.274453, -0.321263],
-                         [0.211456, -0.522591, 0.311135]])
-_YIQ_TO_RGB = jnp.linalg.inv(_RGB_TO_YIQ)
+# NumPy, not jnp: a jnp constant at import would start the JAX backend before
+# main can set the CPU device count or call jax.distributed.initialize().
+_RGB_TO_YIQ = np.array([[0.299, 0.587, 0.114],
+                        [0.595716, -0.274453, -0.321263],
+                        [0.211456, -0.522591, 0.311135]])
+_YIQ_TO_RGB = np.linalg.inv(_RGB_TO_YIQ)
 
 
 class AugmentSpec(NamedTuple):
@@ -78,7 +81,8 @@ def _hue(u: jax.Array, delta: jax.Array) -> jax.Array:
   rotation = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
   rotation = rotation.at[1, 1].set(cos).at[1, 2].set(-sin)
   rotation = rotation.at[2, 1].set(sin).at[2, 2].set(cos)
-  matrix = _YIQ_TO_RGB @ rotation @ _RGB_TO_YIQ
+  matrix = (jnp.asarray(_YIQ_TO_RGB, jnp.float32) @ rotation
+            @ jnp.asarray(_RGB_TO_YIQ, jnp.float32))
   return u @ matrix.T
 
 

@@ -97,12 +97,13 @@ def bench_pipeline(config, num_steps: int) -> dict:
 
 def bench_step(config, num_steps: int) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
+  from cht_jax import devices  # pylint: disable=g-import-not-at-top
   from cht_jax import models  # pylint: disable=g-import-not-at-top
   from cht_jax import train  # pylint: disable=g-import-not-at-top
   from cht_jax.data import datasets  # pylint: disable=g-import-not-at-top
   ht = models.build_hypertransformer(config)
   optimizer = train.make_optimizer(config.optim)
-  mesh = train.data_mesh()
+  mesh = devices.data_mesh(config.train.episodes_per_step)
   shape = datasets.image_shape(config)
   spec = datasets.episode_spec(config)
   b, t, k = config.train.episodes_per_step, spec.num_tasks, spec.ways
