@@ -337,6 +337,9 @@ def run_batches(evaluate_batch, params, class_images, spec: episodes_lib.Episode
         f'{spec.queries_per_class} queries per class: {e} Lower --eval_tasks or '
         '--eval_queries_per_class, or use --eval_split=test.') from None
   class_images = jnp.asarray(class_images)
+  # Uncommitted copies: restored parameters sit on one device, and the batch
+  # may spread over several (one per core on CPU, cht_jax/devices.py).
+  params = jax.tree.map(jnp.asarray, jax.device_get(params))
   key = jax.random.key(protocol.seed)
   # Whole multiples of the device count, at most what is needed.
   num = protocol.num_episodes
