@@ -131,31 +131,30 @@ def _valued_class_images(num_classes, num_images=6, size=4):
   return np.broadcast_to(values, (num_classes, num_images, size, size, 1)).copy()
 
 
-def test_domain_sampler_one_distinct_domain_per_task():
-  spec = episodes.EpisodeSpec(num_tasks=3, ways=3, shots=1, queries_per_class=2,
+def _domain_batch(num_tasks, seed, batch_size):
+  """A batch of 3-way domain episodes over DOMAIN_SIZES, and each class's domain [B, T, K]."""
+  spec = episodes.EpisodeSpec(num_tasks=num_tasks, ways=3, shots=1, queries_per_class=2,
                               task_classes='domain', domain_sizes=DOMAIN_SIZES)
   images = jnp.asarray(_valued_class_images(sum(DOMAIN_SIZES)))
   batch = jax.jit(episodes.sample_episodes, static_argnums=(2, 3, 4))(
-      jax.random.key(0), images, spec, 16, False)
+      jax.random.key(seed), images, spec, batch_size, False)
+  offsets = episodes.domain_offsets(DOMAIN_SIZES)
+  domains = np.searchsorted(offsets, np.asarray(batch['class_ids']), side='right') - 1
+  return batch, domains
+
+
+def test_domain_sampler_one_distinct_domain_per_task():
+  batch, domains = _domain_batch(num_tasks=3, seed=0, batch_size=16)
   assert batch['support_images'].shape == (16, 3, 3, 4, 4, 1)
   assert batch['query_images'].shape == (16, 3, 6, 4, 4, 1)
-  offsets = episodes.domain_offsets(DOMAIN_SIZES)
-  class_ids = np.asarray(batch['class_ids'])
-  domains = np.searchsorted(offsets, class_ids, side='right') - 1  # [B, T, K]
   assert (domains == domains[..., :1]).all()  # One domain per task.
   for ep in domains[..., 0]:
     assert len(set(ep)) == 3  # Distinct domains in an episode.
 
 
 def test_domain_sampler_classes_and_images_match():
-  spec = episodes.EpisodeSpec(num_tasks=2, ways=3, shots=1, queries_per_class=2,
-                              task_classes='domain', domain_sizes=DOMAIN_SIZES)
-  images = jnp.asarray(_valued_class_images(sum(DOMAIN_SIZES)))
-  batch = jax.jit(episodes.sample_episodes, static_argnums=(2, 3, 4))(
-      jax.random.key(3), images, spec, 32, False)
-  offsets = episodes.domain_offsets(DOMAIN_SIZES)
+  batch, domains = _domain_batch(num_tasks=2, seed=3, batch_size=32)
   class_ids = np.asarray(batch['class_ids'])
-  domains = np.searchsorted(offsets, class_ids, side='right') - 1
   assert set(domains.ravel()) == {0, 1, 2, 3}  # Every domain is drawn.
   for ep in class_ids.reshape(-1, 3):
     assert len(set(ep)) == 3

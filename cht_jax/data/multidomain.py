@@ -66,10 +66,9 @@ def _prepare(name: str, data_dir: str | None, manual_dir: str | None):
     try:
       builder.download_and_prepare()
     except Exception as e:  # pylint: disable=broad-except
-      first_line = (str(e).strip().splitlines() or [''])[0][:300]
       raise DataError(
           f'Could not prepare the TFDS dataset {name!r} in '
-          f'{builder.data_dir_root} ({type(e).__name__}: {first_line}). '
+          f'{builder.data_dir_root} ({omniglot.error_summary(e)}). '
           f'Prepare it once on a machine with internet access (python -c '
           f'"import tensorflow_datasets as tfds; tfds.builder({name!r})'
           '.download_and_prepare()") and copy its folder into that data_dir, '

@@ -130,6 +130,12 @@ def _read_sums(folder: str) -> dict[str, str]:
   return sums
 
 
+def error_summary(error: Exception) -> str:
+  """'TypeName: first line of the message' (at most 300 characters), for a DataError."""
+  first_line = (str(error).strip().splitlines() or [''])[0][:300]
+  return f'{type(error).__name__}: {first_line}'
+
+
 def _fix_hint(folder: str) -> str:
   return (
       f'Put the four Omniglot archives ({", ".join(ARCHIVES)}) from '
@@ -288,10 +294,9 @@ def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
     try:
       builder.download_and_prepare()
     except Exception as e:  # pylint: disable=broad-except
-      first_line = (str(e).strip().splitlines() or [''])[0][:300]
       raise DataError(
           f'Could not download Omniglot with TFDS into {root} '
-          f'({type(e).__name__}: {first_line}). On a machine without '
+          f'({error_summary(e)}). On a machine without '
           f'internet access: ' + _fix_hint(folder)) from None
   logging.info('Omniglot prepared in %s in %.1f s.', builder.data_dir,
                time.time() - start)
