@@ -19,15 +19,20 @@ print(json.dumps({
 '''
 
 
+def _last_line(code: str, *args: str, env: dict | None = None) -> str:
+  """Runs `code` in a fresh Python (its own JAX backend); the last line it prints."""
+  out = subprocess.run([sys.executable, '-c', code, *args], env=env, cwd=REPO_ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout.strip().splitlines()[-1]
+
+
 def _probe(xla_flags: str | None, *batch_sizes: int) -> dict:
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   if xla_flags:
     env['XLA_FLAGS'] = xla_flags
   env['JAX_PLATFORMS'] = 'cpu'
-  out = subprocess.run([sys.executable, '-c', _PROBE, *map(str, batch_sizes)], env=env,
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  return json.loads(_last_line(_PROBE, *map(str, batch_sizes), env=env))
 
 
 def test_each_core_becomes_a_device():
@@ -50,7 +55,4 @@ def test_importing_the_entry_points_starts_no_backend():
     code = (f'import {module}\n'
             'from jax._src import xla_bridge\n'
             'print(xla_bridge.backends_are_initialized())')
-    out = subprocess.run([sys.executable, '-c', code], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == 'False', module
+    assert _last_line(code) == 'False', module
