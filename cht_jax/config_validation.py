@@ -349,6 +349,11 @@ def _model_problems(c: ml_collections.ConfigDict, num_devices: int) -> list[str]
     problems.append(
         f'train.episodes_per_step = {c.train.episodes_per_step} must be a multiple '
         f'of the {num_devices} devices the batch is split over.')
+  if c.model.conv_impl == 'fused_cpu':  # Where it cannot run ('auto' falls back).
+    try:
+      ops.resolve_conv_impl(c.model.conv_impl, second_order=c.method == 'maml')
+    except ValueError as e:
+      problems.append(str(e))
   return problems
 
 

@@ -139,36 +139,39 @@ def batch_loss(ht, params, episodes, loss, remat):
   return metrics['loss'], metrics
 
 
-def batch_grads(loss_fn, params, episodes, num_shards: int, vectorize: bool):
+def batch_grads(loss_fn, params, episodes, mesh: jax.sharding.Mesh, vectorize: bool):
   """Mean gradient and metrics of `loss_fn(params, episode) -> (loss, metrics)` over a batch.
 
-  The batch [B, ...] is cut into `num_shards` rows of B / num_shards episodes,
-  one row per device of the mesh (the rows are vmapped, and the 'data'
-  sharding of the batch puts each row on its device). Within a row the
-  episodes are vmapped when `vectorize`, else looped (`lax.scan` summing the
-  gradients): on CPU one episode at a time stays in cache, where a vmapped
-  batch of generated CNNs does not (docs/performance.md).
+  The batch [B, ...] is split over the devices of `mesh` (axis 'data',
+  `shard_map`): each device takes its B / devices episodes and the means are
+  averaged across devices (`pmean`), as in evaluation. Explicit per-device
+  code rather than a sharded vmap: XLA's partitioner would gather the whole
+  batch onto every device around custom calls (`model.conv_impl='fused_cpu'`).
+  On a device the episodes are vmapped when `vectorize`, else looped
+  (`lax.scan` summing the gradients): on CPU one episode at a time stays in
+  cache, where a vmapped batch of generated CNNs does not (docs/performance.md).
   """
-  def row_grads(row):
+  def device_grads(params, row):
     size = jax.tree.leaves(row)[0].shape[0]
     if vectorize:
       def mean_loss(p):
         _, metrics = jax.vmap(lambda episode: loss_fn(p, episode))(row)
         metrics = jax.tree.map(jnp.mean, metrics)
         return metrics['loss'], metrics
-      return jax.grad(mean_loss, has_aux=True)(params)
-    grad_fn = jax.grad(loss_fn, has_aux=True)
-    def accumulate(total, episode):
-      return jax.tree.map(jnp.add, total, grad_fn(params, episode)), None
-    first = jax.tree.map(lambda x: x[0], row)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                         jax.eval_shape(grad_fn, params, first))
-    total, _ = jax.lax.scan(accumulate, zeros, row)
-    return jax.tree.map(lambda x: x / size, total)
+      grads, metrics = jax.grad(mean_loss, has_aux=True)(params)
+    else:
+      grad_fn = jax.grad(loss_fn, has_aux=True)
+      def accumulate(total, episode):
+        return jax.tree.map(jnp.add, total, grad_fn(params, episode)), None
+      first = jax.tree.map(lambda x: x[0], row)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           jax.eval_shape(grad_fn, params, first))
+      total, _ = jax.lax.scan(accumulate, zeros, row)
+      grads, metrics = jax.tree.map(lambda x: x / size, total)
+    return jax.lax.pmean((grads, metrics), 'data')
 
-  rows = jax.tree.map(lambda x: x.reshape(num_shards, -1, *x.shape[1:]), episodes)
-  grads, metrics = jax.vmap(row_grads)(rows)
-  return jax.tree.map(lambda x: jnp.mean(x, axis=0), (grads, metrics))
+  return jax.shard_map(device_grads, mesh=mesh, in_specs=(jax.P(), jax.P('data')),
+                       out_specs=jax.P(), check_vma=False)(params, episodes)
 
 
 def make_train_step(config, ht, optimizer, mesh, domain_sizes=(), host=False):
@@ -188,7 +191,6 @@ def make_train_step(config, ht, optimizer, mesh, domain_sizes=(), host=False):
   schedule = learning_rate_schedule(config.optim)
   augment_spec = datasets.augment_spec(config)
 
-  num_shards = mesh.shape['data']
   vectorize = continual.vectorize_option(config.model.vectorize)
   remat = continual.remat_option(config.model.remat, vectorize, spec.num_tasks)
 
@@ -204,7 +206,7 @@ def make_train_step(config, ht, optimizer, mesh, domain_sizes=(), host=False):
           key, class_images, spec, config.train.episodes_per_step, rotate=config.data.rotate)
     episodes = augment_lib.augment_episodes(jax.random.fold_in(key, 1), episodes, augment_spec)
     episodes = jax.lax.with_sharding_constraint(episodes, batch_sharding)
-    grads, metrics = batch_grads(loss_fn, state.params, episodes, num_shards, vectorize)
+    grads, metrics = batch_grads(loss_fn, state.params, episodes, mesh, vectorize)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics['grad_norm'] = optax.tree.norm(grads)

@@ -34,7 +34,7 @@ def test_shipped_configs_are_valid(num_tasks, variant):
     ('model.num_heads', 0, 'an integer >= 1'),
     ('model.inner_fraction', 0.0, 'a finite number > 0'),
     ('model.activation', 'swish', 'one of'),
-    ('model.conv_impl', 'fft', "one of ('patches', 'lax')"),
+    ('model.conv_impl', 'fft', "one of ('auto', 'patches', 'lax', 'fused_cpu')"),
     ('model.remat', 'sometimes', "one of ('auto', True, False)"),
     ('loss', 'hinge', "one of ('class_incremental', 'task_incremental', 'cross_entropy')"),
     ('optim.name', 'lbfgs', "one of ('sgd', 'momentum', 'adam')"),

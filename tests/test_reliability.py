@@ -305,15 +305,15 @@ def test_checkpoint_of_another_config_is_refused_before_any_work(tmp_path):
   before = sorted(os.listdir(os.path.join(workdir, 'checkpoints', '2', 'default')))
 
   # data_dir does not exist: the check comes before any data is read.
-  changed = tiny_config(**{'model.channels': 8, 'data.data_dir': str(tmp_path / 'none')})
+  changed = tiny_config(**{'model.channels': 16, 'data.data_dir': str(tmp_path / 'none')})
   with pytest.raises(train.CheckpointError) as error:
     train.train_and_evaluate(changed, workdir)
   message = str(error.value)
   assert message.startswith(f'The checkpoint of step 2 in {workdir}/checkpoints was written '
                             'by a different config: ')
-  assert ('params/block_0_activation_features/conv_0/bias has shape (4,) float32 in the '
-          'checkpoint but (8,) float32 in this config') in message
-  assert 'model.channels 4 -> 8' in message
+  assert ('params/block_0_activation_features/conv_0/bias has shape (8,) float32 in the '
+          'checkpoint but (16,) float32 in this config') in message
+  assert 'model.channels 8 -> 16' in message
   assert 'the checkpoints are left untouched' in message
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints', '2', 'default'))) == before
   assert not (tmp_path / 'none').exists()

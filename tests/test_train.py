@@ -39,15 +39,15 @@ def test_a_few_steps_lower_the_loss():
 
 
 def test_looped_and_vmapped_episodes_give_the_same_gradient(tiny_ht, tiny_params):
-  """`batch_grads` over 4 episodes: looped in 2 rows (one per device) = vmapped in one row,
-  which is the gradient of the mean loss (grad of the mean of a vmap)."""
+  """`batch_grads` over 4 episodes: looped = vmapped, which is the gradient of the mean
+  loss (grad of the mean of a vmap). Several devices: tests/test_parallel.py."""
   episodes = jax.vmap(lambda k: make_episode(k, num_tasks=2))(
       jax.random.split(jax.random.key(5), 4))
   loss_fn = lambda p, ep: continual.episode_loss(tiny_ht, p, ep, remat=False)
   grads, metrics = {}, {}
-  for num_shards, vectorize in ((1, True), (2, False)):
+  for vectorize in (True, False):
     grads[vectorize], metrics[vectorize] = jax.jit(lambda p: train.batch_grads(
-        loss_fn, p, episodes, num_shards, vectorize))(tiny_params)
+        loss_fn, p, episodes, devices.data_mesh(1), vectorize))(tiny_params)
   for name in ('loss', 'accuracy'):
     np.testing.assert_allclose(metrics[True][name], metrics[False][name], rtol=1e-5)
   difference = optax.tree.norm(jax.tree.map(jnp.subtract, grads[True], grads[False]))

@@ -17,15 +17,21 @@ import ml_collections
 from cht_jax import losses
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.models import cnn as cnn_lib
+from cht_jax.models import ops
 
 HEAD_INITS = ('zeros', 'glorot')
 
 
 def build_cnn(config: ml_collections.ConfigDict, num_outputs: int) -> cnn_lib.CNN:
-  """The config's CNN (channels, blocks, conv implementation) with `num_outputs` logits."""
+  """The config's CNN (channels, blocks, conv implementation) with `num_outputs` logits.
+
+  MAML++ differentiates through its inner loop (second order), which the fused
+  CPU kernel cannot: 'auto' gives 'patches' there.
+  """
   model = config.model
+  conv_impl = ops.resolve_conv_impl(model.conv_impl, second_order=config.method == 'maml')
   return cnn_lib.CNN(channels=(model.channels,) * model.num_blocks,
-                     embedding_dim=num_outputs, conv_impl=model.conv_impl)
+                     embedding_dim=num_outputs, conv_impl=conv_impl)
 
 
 def init_theta(cnn: cnn_lib.CNN, key: jax.Array, image_size: int) -> Any:

@@ -23,6 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from cht_jax.models import conv_block_cpu
 from cht_jax.models import ops
 
 # TF's BatchNormalization default, as used by the original HT code.
@@ -56,9 +57,16 @@ def conv_block(x: jax.Array, block: dict, conv_impl: str) -> jax.Array:
   """conv -> ReLU -> max-pool -> BatchNorm: [N, H, W, C_in] -> [N, H//2, W//2, C_out].
 
   `block` holds 'kernel' [k, k, C_in, C_out], 'scale' and 'bias' [C_out].
+  With `conv_impl` 'fused_cpu', or 'auto' on CPU where the kernel takes these
+  shapes, conv, ReLU and max-pool are one C++ call each way (`conv_block_cpu`).
   """
-  x = jax.nn.relu(ops.conv2d(x, block['kernel'], impl=conv_impl))
-  return batch_stat_norm(max_pool_2x2(x), block['scale'], block['bias'])
+  kernel = block['kernel']
+  if ops.resolve_conv_impl(conv_impl) == 'fused_cpu' and (
+      conv_impl == 'fused_cpu' or not conv_block_cpu.unsupported(x, kernel)):
+    x = conv_block_cpu.conv_relu_pool(x, kernel)
+  else:
+    x = max_pool_2x2(jax.nn.relu(ops.conv2d(x, kernel, impl=conv_impl)))
+  return batch_stat_norm(x, block['scale'], block['bias'])
 
 
 def dense_head(x: jax.Array, head: dict) -> jax.Array:

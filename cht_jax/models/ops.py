@@ -7,12 +7,51 @@ runs poorly; its kernel gradient is slow even for shared kernels. Gathering
 the k*k shifted (strided) copies of the input and running one matrix product
 turns forward and backward passes into batched matrix products instead.
 See docs/performance.md for the measurements.
+
+The generated CNN's conv -> ReLU -> max-pool blocks have a third form on CPU,
+`fused_cpu` (a C++ kernel, `conv_block_cpu`); `auto` picks it where it runs.
 """
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 
-CONV_IMPLS = ('patches', 'lax')
+from cht_jax.models import conv_block_cpu
+
+CONV_IMPLS = ('auto', 'patches', 'lax', 'fused_cpu')
+
+
+def resolve_conv_impl(impl: str, second_order: bool = False) -> str:
+  """The implementation `impl` stands for on this backend: 'auto' is resolved.
+
+  'auto' is 'fused_cpu' on CPU where its kernel compiles, else 'patches' (also
+  where the model is differentiated twice, which the kernel does not support).
+
+  Raises:
+    ValueError: 'fused_cpu' asked for where it cannot run.
+  """
+  if impl not in CONV_IMPLS:
+    raise ValueError(f'Unknown conv_impl {impl!r}; expected one of {CONV_IMPLS}.')
+  on_cpu = jax.default_backend() == 'cpu'
+  if impl == 'auto':
+    if not on_cpu or second_order:
+      return 'patches'
+    if not conv_block_cpu.available():
+      logging.log_first_n(logging.WARNING, "model.conv_impl='auto': the fused CPU kernel "
+                          "is not available (%s); using 'patches'.", 1,
+                          conv_block_cpu.build_error())
+      return 'patches'
+    return 'fused_cpu'
+  if impl == 'fused_cpu':
+    if not on_cpu:
+      raise ValueError(f"model.conv_impl='fused_cpu' runs on CPU only, not on "
+                       f'{jax.default_backend()}; use auto or patches.')
+    if second_order:
+      raise ValueError("model.conv_impl='fused_cpu' has no second derivative, which "
+                       'second-order MAML needs; use auto or patches.')
+    if not conv_block_cpu.available():
+      raise ValueError(f"model.conv_impl='fused_cpu': {conv_block_cpu.build_error()}")
+  return impl
 
 
 def _padding(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:
@@ -34,17 +73,18 @@ def conv2d(x: jax.Array, kernel: jax.Array, stride: int = 1, padding: str = 'SAM
     stride: the same in both spatial dimensions.
     padding: 'SAME' or 'VALID'.
     impl: 'patches' (shifted copies + one matrix product) or 'lax'
-      (`lax.conv_general_dilated`); both give the same numbers.
+      (`lax.conv_general_dilated`); both give the same numbers. 'fused_cpu'
+      and 'auto' are resolved (`resolve_conv_impl`); `fused_cpu` fuses only the
+      generated CNN's blocks (`cnn.conv_block`), other convs use patches.
 
   Returns:
     [N, H_out, W_out, C_out].
   """
+  impl = resolve_conv_impl(impl)
   if impl == 'lax':
     return jax.lax.conv_general_dilated(
         x, kernel, window_strides=(stride, stride), padding=padding,
         dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
-  if impl != 'patches':
-    raise ValueError(f'Unknown conv_impl {impl!r}; expected one of {CONV_IMPLS}.')
   kh, kw, c_in, c_out = kernel.shape
   _, h, w, _ = x.shape
   pad_h, pad_w = _padding(h, kh, stride, padding), _padding(w, kw, stride, padding)

@@ -1,0 +1,310 @@
+// The generated CNN's conv -> ReLU -> 2x2 max-pool, fused, for XLA:CPU (XLA FFI).
+//
+// Built on first use by conv_block_cpu.py (g++ -O3 -march=native). Why: the
+// generated CNN has 8 channels, so XLA:CPU spends a training step moving small
+// tensors (patch gathers, transposes, pooling and their gradients) in ~2,500
+// separate operations per episode. Here one call does the forward pass and one
+// the backward pass of a block, in place, on the calling device's thread.
+// docs/performance.md has the measurements.
+//
+// Layouts (row-major, leading batch dimensions B allowed on every operand, for
+// vmap's 'broadcast_all'):
+//   x      [B..., N, H, W, Ci]    f32   input
+//   kernel [B..., K, K, Ci, Co]   f32   odd K, stride 1, 'SAME' zero padding
+//   y      [B..., N, H/2, W/2, Co] f32  max-pool(relu(conv(x, kernel)))
+//   arg    [B..., N, H/2, W/2, Co] s8   which of the 4 pooled positions won
+//                                       (a * 2 + b), or -1 where y == 0
+// Backward: dy -> dx [B..., N, H, W, Ci], dkernel [B..., K, K, Ci, Co]. The
+// gradient goes to the first maximum of each window (ties between positive
+// pre-activations only; JAX's reduce-max would split it between them).
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Shape {
+  int64_t batch, n, h, w, ci, co, k;
+  int64_t hp() const { return h / 2; }
+  int64_t wp() const { return w / 2; }
+};
+
+ffi::Error GetShape(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& kernel,
+                    Shape* s) {
+  auto xd = x.dimensions();
+  auto kd = kernel.dimensions();
+  if (xd.size() < 4 || kd.size() != xd.size()) {
+    return ffi::Error::InvalidArgument(
+        "conv_block_cpu: x must be [B..., N, H, W, Ci] and kernel [B..., K, K, Ci, Co] "
+        "with the same leading dimensions");
+  }
+  size_t r = xd.size();
+  s->batch = 1;
+  for (size_t i = 0; i + 4 < r; ++i) {
+    if (xd[i] != kd[i]) return ffi::Error::InvalidArgument("conv_block_cpu: batch mismatch");
+    s->batch *= xd[i];
+  }
+  s->n = xd[r - 4], s->h = xd[r - 3], s->w = xd[r - 2], s->ci = xd[r - 1];
+  s->k = kd[r - 4], s->co = kd[r - 1];
+  if (kd[r - 3] != s->k || s->k % 2 != 1 || kd[r - 2] != s->ci) {
+    return ffi::Error::InvalidArgument(
+        "conv_block_cpu: kernel must be [K, K, Ci, Co] with odd K and x's Ci");
+  }
+  return ffi::Error::Success();
+}
+
+// Eight output channels per vector (GCC/Clang vector extensions; AVX2 or
+// AVX-512 under -march=native). The generated CNN has 8 channels per block.
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 Load(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void Store(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
+inline v8 Splat(float f) { return v8{f, f, f, f, f, f, f, f}; }
+inline float Sum(v8 v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+// One image, zero-padded by `pad` on both spatial sides: [H + 2 pad, W + 2 pad, C].
+// The loops below then need no bounds checks.
+void PadImage(const float* image, int64_t h, int64_t w, int64_t c, int64_t pad,
+              std::vector<float>* padded) {
+  const int64_t wp = w + 2 * pad;
+  padded->assign((h + 2 * pad) * wp * c, 0.0f);
+  for (int64_t r = 0; r < h; ++r) {
+    std::memcpy(padded->data() + ((r + pad) * wp + pad) * c, image + r * w * c,
+                sizeof(float) * w * c);
+  }
+}
+
+// NV = C_out / 8 vectors of output channels; CI = C_in, or 0 to read it from
+// the shape. Both fixed at compile time let the loops below unroll into
+// registers.
+template <int NV, int CI>
+void Forward(const Shape& s, const float* x, const float* kernel, float* y, int8_t* arg) {
+  constexpr int64_t co = 8 * NV;
+  const int64_t ci_n = CI > 0 ? CI : s.ci, k = s.k, pad = s.k / 2;
+  const int64_t hp = s.hp(), wp = s.wp(), w_padded = s.w + 2 * pad;
+  std::vector<float> padded;
+  for (int64_t n = 0; n < s.n; ++n) {
+    PadImage(x + n * s.h * s.w * ci_n, s.h, s.w, ci_n, pad, &padded);
+    for (int64_t i = 0; i < hp; ++i) {
+      for (int64_t j = 0; j < wp; ++j) {
+        // The pooling window's 4 conv outputs at once: 4 independent chains
+        // of multiply-adds instead of one.
+        v8 acc[4][NV];
+        for (int pos = 0; pos < 4; ++pos)
+          for (int v = 0; v < NV; ++v) acc[pos][v] = Splat(0.0f);
+        for (int64_t di = 0; di < k; ++di) {
+          for (int64_t dj = 0; dj < k; ++dj) {
+            const float* xp = padded.data() + ((2 * i + di) * w_padded + 2 * j + dj) * ci_n;
+            const float* kp = kernel + (di * k + dj) * ci_n * co;
+            for (int64_t ci = 0; ci < ci_n; ++ci) {
+              for (int v = 0; v < NV; ++v) {
+                const v8 kv = Load(kp + ci * co + 8 * v);
+                for (int pos = 0; pos < 4; ++pos) {
+                  acc[pos][v] += Splat(xp[((pos / 2) * w_padded + pos % 2) * ci_n + ci]) * kv;
+                }
+              }
+            }
+          }
+        }
+        // relu then max == max then relu: the maximum starts at 0 with no
+        // winner (-1); the window's first maximum wins (strict >).
+        const int64_t o = ((n * hp + i) * wp + j) * co;
+        for (int v = 0; v < NV; ++v) {
+          v8 best = Splat(0.0f), best_at = Splat(-1.0f);
+          for (int pos = 0; pos < 4; ++pos) {
+            auto won = acc[pos][v] > best;
+            best = won ? acc[pos][v] : best;
+            best_at = won ? Splat(static_cast<float>(pos)) : best_at;
+          }
+          Store(y + o + 8 * v, best);
+          for (int c = 0; c < 8; ++c) arg[o + 8 * v + c] = static_cast<int8_t>(best_at[c]);
+        }
+      }
+    }
+  }
+}
+
+template <int NV, int CI>
+void Backward(const Shape& s, const float* x, const float* kernel, const int8_t* arg,
+              const float* dy, float* dx, float* dkernel) {
+  constexpr int64_t co = 8 * NV;
+  const int64_t ci_n = CI > 0 ? CI : s.ci, k = s.k, pad = s.k / 2, taps = k * k;
+  const int64_t hp = s.hp(), wp = s.wp(), h_padded = s.h + 2 * pad, w_padded = s.w + 2 * pad;
+  std::memset(dkernel, 0, sizeof(float) * taps * ci_n * co);
+  // The kernel as [tap, C_out, C_in], for dx as vectors along C_in.
+  const bool vector_dx = ci_n % 8 == 0;
+  std::vector<float> kernel_t(vector_dx ? taps * co * ci_n : 0);
+  if (vector_dx) {
+    for (int64_t t = 0; t < taps; ++t)
+      for (int64_t ci = 0; ci < ci_n; ++ci)
+        for (int64_t c = 0; c < co; ++c)
+          kernel_t[(t * co + c) * ci_n + ci] = kernel[(t * ci_n + ci) * co + c];
+  }
+  // dkernel's (tap, C_in) rows, F at a time (F sums per output vector kept in
+  // registers, independent chains); each row's offset in the padded input
+  // relative to the conv output's position. The last group repeats row 0.
+  constexpr int F = 16 / NV;
+  const int64_t rows = taps * ci_n, groups = (rows + F - 1) / F;
+  std::vector<int64_t> row_offset(groups * F, 0);
+  for (int64_t f = 0; f < rows; ++f) {
+    const int64_t t = f / ci_n, ci = f % ci_n;
+    row_offset[f] = ((t / k) * w_padded + t % k) * ci_n + ci;
+  }
+  std::vector<float> padded, grad;
+  for (int64_t n = 0; n < s.n; ++n) {
+    PadImage(x + n * s.h * s.w * ci_n, s.h, s.w, ci_n, pad, &padded);
+    // The conv output's gradient, dense and zero-padded like the input: dy at
+    // each window's winner, 0 elsewhere (and where ReLU was off). 4 columns of
+    // slack at the end for the dx loop's last group of columns.
+    grad.assign((h_padded * w_padded + 4) * co, 0.0f);
+    for (int64_t i = 0; i < hp; ++i) {
+      for (int64_t j = 0; j < wp; ++j) {
+        const int64_t o = ((n * hp + i) * wp + j) * co;
+        for (int64_t c = 0; c < co; ++c) {
+          const int8_t pos = arg[o + c];
+          if (pos < 0) continue;
+          grad[((2 * i + pos / 2 + pad) * w_padded + 2 * j + pos % 2 + pad) * co + c] = dy[o + c];
+        }
+      }
+    }
+    // dkernel[tap, ci] += padded[r + di, c + dj, ci] * grad[r, c] over the
+    // conv outputs (r, c) that a pooling window covers.
+    for (int64_t group = 0; group < groups; ++group) {
+      const int64_t* offset = row_offset.data() + group * F;
+      v8 sum[F][NV];
+      for (int f = 0; f < F; ++f)
+        for (int v = 0; v < NV; ++v) sum[f][v] = Splat(0.0f);
+      for (int64_t r = 0; r < 2 * hp; ++r) {
+        for (int64_t c = 0; c < 2 * wp; ++c) {
+          const float* gp = grad.data() + ((r + pad) * w_padded + c + pad) * co;
+          const float* xp = padded.data() + (r * w_padded + c) * ci_n;
+          for (int v = 0; v < NV; ++v) {
+            const v8 gv = Load(gp + 8 * v);
+            for (int f = 0; f < F; ++f) sum[f][v] += Splat(xp[offset[f]]) * gv;
+          }
+        }
+      }
+      for (int f = 0; f < F && group * F + f < rows; ++f) {
+        float* dkp = dkernel + (group * F + f) * co;
+        for (int v = 0; v < NV; ++v) Store(dkp + 8 * v, Load(dkp + 8 * v) + sum[f][v]);
+      }
+    }
+    // dx[r, c] = sum over taps of grad[r - di + pad, c - dj + pad] . kernel[tap]^T,
+    // that is grad's padded [r - di + 2 pad, c - dj + 2 pad]; 4 columns at a
+    // time, for 4 independent chains.
+    float* dxn = dx + n * s.h * s.w * ci_n;
+    for (int64_t r = 0; r < s.h; ++r) {
+      for (int64_t c0 = 0; c0 < s.w; c0 += 4) {
+        const int64_t cols = s.w - c0 < 4 ? s.w - c0 : 4;
+        for (int64_t cv = 0; cv < ci_n; cv += vector_dx ? 8 : 1) {
+          v8 sum[4] = {Splat(0.0f), Splat(0.0f), Splat(0.0f), Splat(0.0f)};
+          for (int64_t t = 0; t < taps; ++t) {
+            const float* gp =
+                grad.data() + ((r - t / k + 2 * pad) * w_padded + c0 - t % k + 2 * pad) * co;
+            if (vector_dx) {
+              const float* ktp = kernel_t.data() + t * co * ci_n + cv;
+              for (int64_t o = 0; o < co; ++o) {
+                const v8 kv = Load(ktp + o * ci_n);
+                for (int col = 0; col < 4; ++col) sum[col] += Splat(gp[col * co + o]) * kv;
+              }
+            } else {
+              const float* kp = kernel + (t * ci_n + cv) * co;
+              for (int v = 0; v < NV; ++v) {
+                const v8 kv = Load(kp + 8 * v);
+                for (int col = 0; col < 4; ++col) sum[col] += Load(gp + col * co + 8 * v) * kv;
+              }
+            }
+          }
+          for (int col = 0; col < cols; ++col) {
+            float* dxp = dxn + (r * s.w + c0 + col) * ci_n + cv;
+            if (vector_dx) Store(dxp, sum[col]);
+            else *dxp = Sum(sum[col]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Calls fn(NV, CI) with compile-time constants: C_out / 8, and C_in where it
+// is 1 or 8 (the generated CNN's), else 0 (read at run time).
+template <typename Fn>
+ffi::Error Dispatch(int64_t ci, int64_t co, Fn&& fn) {
+  auto with_ci = [&](auto nv) {
+    if (ci == 1) fn(nv, std::integral_constant<int, 1>());
+    else if (ci == 8) fn(nv, std::integral_constant<int, 8>());
+    else fn(nv, std::integral_constant<int, 0>());
+  };
+  switch (co) {
+    case 8: with_ci(std::integral_constant<int, 1>()); break;
+    case 16: with_ci(std::integral_constant<int, 2>()); break;
+    case 32: with_ci(std::integral_constant<int, 4>()); break;
+    case 64: with_ci(std::integral_constant<int, 8>()); break;
+    default:
+      return ffi::Error::InvalidArgument(
+          "conv_block_cpu: C_out must be 8, 16, 32 or 64 (use conv_impl=patches)");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
+                       ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::S8> arg) {
+  Shape s;
+  if (auto e = GetShape(x, kernel, &s); e.failure()) return e;
+  const int64_t x_size = s.n * s.h * s.w * s.ci, k_size = s.k * s.k * s.ci * s.co;
+  const int64_t y_size = s.n * s.hp() * s.wp() * s.co;
+  return Dispatch(s.ci, s.co, [&](auto nv, auto ci) {
+    for (int64_t b = 0; b < s.batch; ++b) {
+      Forward<decltype(nv)::value, decltype(ci)::value>(s, x.typed_data() + b * x_size,
+                                   kernel.typed_data() + b * k_size,
+                                   y->typed_data() + b * y_size, arg->typed_data() + b * y_size);
+    }
+  });
+}
+
+ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
+                        ffi::Buffer<ffi::S8> arg, ffi::Buffer<ffi::F32> dy,
+                        ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dkernel) {
+  Shape s;
+  if (auto e = GetShape(x, kernel, &s); e.failure()) return e;
+  const int64_t x_size = s.n * s.h * s.w * s.ci, k_size = s.k * s.k * s.ci * s.co;
+  const int64_t y_size = s.n * s.hp() * s.wp() * s.co;
+  return Dispatch(s.ci, s.co, [&](auto nv, auto ci) {
+    for (int64_t b = 0; b < s.batch; ++b) {
+      Backward<decltype(nv)::value, decltype(ci)::value>(
+          s, x.typed_data() + b * x_size, kernel.typed_data() + b * k_size,
+          arg.typed_data() + b * y_size, dy.typed_data() + b * y_size,
+          dx->typed_data() + b * x_size, dkernel->typed_data() + b * k_size);
+    }
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockForward, ForwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S8>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockBackward, BackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

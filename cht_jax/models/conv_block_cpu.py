@@ -1,0 +1,173 @@
+"""conv -> ReLU -> 2x2 max-pool as one XLA:CPU call each way (`conv_impl='fused_cpu'`).
+
+The kernel (`conv_block_cpu.cc`, C++ through the XLA FFI) is compiled with the
+machine's C++ compiler on first use and cached (`$CHT_JAX_KERNEL_CACHE`, by
+default ~/.cache/cht_jax), keyed by the source, jaxlib's version and the CPU.
+It gives the same numbers as `ops.conv2d` + `jax.nn.relu` + `max_pool_2x2` up
+to float rounding, and the same gradients except where two positive
+pre-activations of a pooling window tie (all the gradient goes to the first,
+where JAX's reduce-max splits it). It has a first derivative only: nothing in
+CHT's training differentiates twice, but second-order MAML cannot use it.
+
+Why it exists: with 8 channels, XLA:CPU runs the generated CNN as many small
+memory-bound operations (patch gathers, transposes, pooling and their
+gradients); see docs/performance.md.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+_SOURCE = pathlib.Path(__file__).with_name('conv_block_cpu.cc')
+_FORWARD, _BACKWARD = 'cht_conv_block_forward', 'cht_conv_block_backward'
+_COMPILER_FLAGS = ('-O3', '-march=native', '-std=c++17', '-shared', '-fPIC')
+
+
+class KernelBuildError(RuntimeError):
+  """The C++ kernel could not be compiled or loaded."""
+
+
+def _cache_dir() -> pathlib.Path:
+  default = pathlib.Path.home() / '.cache' / 'cht_jax'
+  return pathlib.Path(os.environ.get('CHT_JAX_KERNEL_CACHE', default))
+
+
+def _cpu_signature() -> str:
+  """-march=native binds the build to this CPU's instruction set."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      flags = next((line for line in f if line.startswith('flags')), '')
+  except OSError:
+    flags = ''
+  return platform.machine() + flags
+
+
+def _compile() -> pathlib.Path:
+  source = _SOURCE.read_bytes()
+  key = hashlib.sha256(b'\0'.join([
+      source, jaxlib.__version__.encode(), ' '.join(_COMPILER_FLAGS).encode(),
+      _cpu_signature().encode()])).hexdigest()[:16]
+  library = _cache_dir() / f'conv_block_cpu_{key}.so'
+  if library.exists():
+    return library
+  compiler = os.environ.get('CXX', 'g++')
+  library.parent.mkdir(parents=True, exist_ok=True)
+  # Build to a temporary name and rename: concurrent processes never see half a file.
+  with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+    partial = pathlib.Path(tmp) / library.name
+    command = [compiler, *_COMPILER_FLAGS, f'-I{jax.ffi.include_dir()}', str(_SOURCE),
+               '-o', str(partial)]
+    try:
+      subprocess.run(command, check=True, capture_output=True, text=True)
+    except FileNotFoundError as e:
+      raise KernelBuildError(
+          f"model.conv_impl='fused_cpu' needs a C++ compiler ({compiler!r} not found; "
+          "set CXX or install g++), or use --config.model.conv_impl=patches.") from e
+    except subprocess.CalledProcessError as e:
+      raise KernelBuildError(
+          f"Compiling {_SOURCE.name} failed ({' '.join(command)}):\n{e.stderr[-2000:]}\n"
+          'Use --config.model.conv_impl=patches to run without it.') from e
+    os.replace(partial, library)
+  return library
+
+
+@functools.cache
+def load() -> None:
+  """Compiles (once per machine) and registers the kernel with XLA:CPU."""
+  library = ctypes.cdll.LoadLibrary(str(_compile()))
+  for name, symbol in ((_FORWARD, library.ChtConvBlockForward),
+                       (_BACKWARD, library.ChtConvBlockBackward)):
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform='cpu')
+    # Leading (vmapped) dimensions are independent problems: sharded over a
+    # device mesh, each device runs its own share instead of gathering them all.
+    jax.ffi.register_ffi_target_as_batch_partitionable(name)
+
+
+def available() -> bool:
+  """Whether the kernel builds and loads here (False without a compiler)."""
+  return build_error() is None
+
+
+@functools.cache
+def build_error() -> str | None:
+  """Why the kernel cannot be used here, or None."""
+  try:
+    load()
+  except (KernelBuildError, OSError) as e:
+    return str(e)
+  return None
+
+
+def _pooled_shapes(x: jax.Array, kernel: jax.Array):
+  *lead, h, w, _ = x.shape
+  shape = (*lead, h // 2, w // 2, kernel.shape[-1])
+  return jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int8)
+
+
+def _forward_call(x, kernel):
+  # 'broadcast_all': a vmapped call gets leading batch dimensions on every
+  # operand, which the kernel loops over.
+  return jax.ffi.ffi_call(_FORWARD, _pooled_shapes(x, kernel),
+                          vmap_method='broadcast_all')(x, kernel)
+
+
+@jax.custom_vjp
+def _conv_relu_pool(x, kernel):
+  return _forward_call(x, kernel)[0]
+
+
+def _fwd(x, kernel):
+  pooled, winner = _forward_call(x, kernel)
+  return pooled, (x, kernel, winner)
+
+
+def _bwd(residuals, d_pooled):
+  x, kernel, winner = residuals
+  shapes = (jax.ShapeDtypeStruct(x.shape, jnp.float32),
+            jax.ShapeDtypeStruct(kernel.shape, jnp.float32))
+  return tuple(jax.ffi.ffi_call(_BACKWARD, shapes, vmap_method='broadcast_all')(
+      x, kernel, winner, d_pooled))
+
+
+_conv_relu_pool.defvjp(_fwd, _bwd)
+
+
+def unsupported(x: jax.Array, kernel: jax.Array) -> str | None:
+  """Why the kernel cannot take these inputs, or None."""
+  if x.dtype != jnp.float32 or kernel.dtype != jnp.float32:
+    return f'it handles float32 only, got {x.dtype} and {kernel.dtype}'
+  k = kernel.shape[0]
+  if (x.ndim != 4 or kernel.ndim != 4 or kernel.shape[1] != k or k % 2 != 1
+      or kernel.shape[2] != x.shape[-1] or kernel.shape[3] not in (8, 16, 32, 64)):
+    return (f'it needs x [N, H, W, C_in] and an odd square kernel [k, k, C_in, C_out] with '
+            f'C_out in (8, 16, 32, 64), got {kernel.shape} for {x.shape}')
+  return None
+
+
+def conv_relu_pool(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """max_pool_2x2(relu(conv2d(x, kernel, stride 1, 'SAME'))), on the CPU.
+
+  Args:
+    x: [N, H, W, C_in] float32.
+    kernel: [k, k, C_in, C_out] float32, k odd, C_out in (8, 16, 32, 64).
+
+  Returns:
+    [N, H // 2, W // 2, C_out].
+
+  Raises:
+    ValueError: for inputs the kernel does not handle.
+  """
+  reason = unsupported(x, kernel)
+  if reason:
+    raise ValueError(f"model.conv_impl='fused_cpu': {reason}; use auto or patches.")
+  load()
+  return _conv_relu_pool(x, kernel)

@@ -1,0 +1,118 @@
+"""The fused CPU conv block (`conv_impl='fused_cpu'`): the same numbers and gradients as
+patches, under jit, vmap and a whole training step; where it is chosen and where not."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from cht_jax import continual
+from cht_jax import models
+from cht_jax.models import cnn as cnn_lib
+from cht_jax.models import conv_block_cpu
+from cht_jax.models import hypertransformer as ht_lib
+from cht_jax.models import ops
+from conftest import override, tiny_config
+
+
+def reference(x, kernel):
+  return cnn_lib.max_pool_2x2(jax.nn.relu(ops.conv2d(x, kernel, impl='patches')))
+
+
+def value_and_grads(fn, x, kernel, d_pooled):
+  pooled, vjp = jax.vjp(fn, x, kernel)
+  return (pooled, *vjp(d_pooled))
+
+
+@pytest.mark.parametrize('n, size, c_in, c_out, k', [
+    (6, 28, 1, 8, 3), (4, 14, 8, 8, 3), (5, 7, 8, 8, 3), (3, 3, 8, 8, 3),
+    (2, 9, 3, 16, 3), (2, 10, 5, 64, 5), (3, 6, 16, 32, 1)])
+def test_forward_and_gradients_match_patches(n, size, c_in, c_out, k):
+  keys = jax.random.split(jax.random.key(size * c_in + c_out), 3)
+  x = jax.random.normal(keys[0], (n, size, size, c_in))
+  kernel = 0.5 * jax.random.normal(keys[1], (k, k, c_in, c_out))
+  d_pooled = jax.random.normal(keys[2], (n, size // 2, size // 2, c_out))
+  fused = jax.jit(lambda *a: value_and_grads(conv_block_cpu.conv_relu_pool, *a))(
+      x, kernel, d_pooled)
+  expected = value_and_grads(reference, x, kernel, d_pooled)
+  assert float(jnp.abs(fused[0]).max()) > 0  # Some ReLUs are on.
+  for got, want in zip(fused, expected):
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_vmapped_calls_loop_over_the_batch():
+  """vmap (one batched call) over episodes, with a per-episode or a shared kernel."""
+  x = jax.random.normal(jax.random.key(0), (3, 4, 14, 14, 8))
+  kernels = jax.random.normal(jax.random.key(1), (3, 3, 3, 8, 8))
+  for in_axes, k in (((0, 0), kernels), ((0, None), kernels[0])):
+    loss = lambda fn: lambda x, k: jnp.sum(jax.vmap(fn, in_axes)(x, k) ** 2)
+    got = jax.value_and_grad(loss(conv_block_cpu.conv_relu_pool), (0, 1))(x, k)
+    want = jax.value_and_grad(loss(reference), (0, 1))(x, k)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_training_loss_and_its_gradient_match_patches(tiny_episode):
+  """The whole CHT loss (generation through the fused blocks, T(T+1)/2 query passes)."""
+  results = {}
+  for impl in ('patches', 'fused_cpu'):
+    config = tiny_config(**{'model.conv_impl': impl})
+    ht = models.build_hypertransformer(config)
+    assert ht.conv_impl == impl
+    theta = ht_lib.zeros_theta(ht.cnn, tiny_episode['support_images'].shape[2:])
+    params = ht.init(jax.random.key(0), tiny_episode['support_images'][0],
+                     tiny_episode['support_labels'][0], theta)['params']
+    loss = lambda p: continual.episode_loss(ht, p, tiny_episode, remat=False)[0]
+    results[impl] = jax.jit(jax.value_and_grad(loss))(params)
+  (loss_p, grads_p), (loss_f, grads_f) = results['patches'], results['fused_cpu']
+  np.testing.assert_allclose(loss_f, loss_p, rtol=1e-5)
+  difference = optax.tree.norm(jax.tree.map(jnp.subtract, grads_f, grads_p))
+  assert float(difference) < 1e-4 * float(optax.tree.norm(grads_p))
+
+
+def test_auto_picks_the_kernel_on_cpu_except_for_second_order():
+  assert ops.resolve_conv_impl('auto') == 'fused_cpu'
+  assert ops.resolve_conv_impl('auto', second_order=True) == 'patches'
+  assert ops.resolve_conv_impl('patches') == 'patches'
+  with pytest.raises(ValueError, match='second derivative'):
+    ops.resolve_conv_impl('fused_cpu', second_order=True)
+  with pytest.raises(ValueError, match='expected one of'):
+    ops.resolve_conv_impl('fft')
+
+
+def test_auto_falls_back_where_the_kernel_does_not_fit():
+  """4 output channels: 'auto' runs patches, an explicit 'fused_cpu' says why not."""
+  x = jax.random.normal(jax.random.key(0), (2, 8, 8, 1))
+  block = {'kernel': jax.random.normal(jax.random.key(1), (3, 3, 1, 4)),
+           'scale': jnp.ones(4), 'bias': jnp.zeros(4)}
+  np.testing.assert_array_equal(cnn_lib.conv_block(x, block, 'auto'),
+                                cnn_lib.conv_block(x, block, 'patches'))
+  with pytest.raises(ValueError, match=r'C_out in \(8, 16, 32, 64\).*use auto or patches'):
+    cnn_lib.conv_block(x, block, 'fused_cpu')
+
+
+def test_a_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+  monkeypatch.setenv('CHT_JAX_KERNEL_CACHE', str(tmp_path))
+  monkeypatch.setenv('CXX', str(tmp_path / 'no-such-compiler'))
+  with pytest.raises(conv_block_cpu.KernelBuildError, match='conv_impl=patches'):
+    conv_block_cpu._compile()  # pylint: disable=protected-access
+  assert not list(tmp_path.glob('*.so'))
+
+
+def test_the_build_is_cached(tmp_path, monkeypatch):
+  monkeypatch.setenv('CHT_JAX_KERNEL_CACHE', str(tmp_path))
+  library = conv_block_cpu._compile()  # pylint: disable=protected-access
+  assert library.parent == tmp_path and library.exists()
+  modified = library.stat().st_mtime_ns
+  assert conv_block_cpu._compile() == library  # pylint: disable=protected-access
+  assert library.stat().st_mtime_ns == modified
+
+
+def test_configs_default_to_auto_and_validation_names_the_field():
+  from cht_jax import config_validation  # pylint: disable=g-import-not-at-top
+  assert tiny_config().model.conv_impl == 'auto'
+  maml = override(tiny_config(**{'model.conv_impl': 'fused_cpu'}), {'method': 'maml'})
+  with pytest.raises(config_validation.ConfigError, match='second derivative'):
+    config_validation.validate(maml, num_devices=1)
