@@ -70,7 +70,7 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.model.activation = 'relu'
   config.model.generate_bn = False
   # 'auto': the generated CNN's blocks as one C++ call each way on CPU
-  # (models/conv_block_cpu.py), else 'patches'; 'lax' and 'fused_cpu' on demand.
+  # (models/fused_cpu.py), else 'patches'; 'lax' and 'fused_cpu' on demand.
   # Same numbers up to float rounding (docs/performance.md).
   config.model.conv_impl = 'auto'
   # Rematerialise each task's generation in the backward pass: 'auto' does where the

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from cht_jax.models import conv_block_cpu
+from cht_jax.models import fused_cpu
 from cht_jax.models import ops
 
 # TF's BatchNormalization default, as used by the original HT code.
@@ -58,12 +58,12 @@ def conv_block(x: jax.Array, block: dict, conv_impl: str) -> jax.Array:
 
   `block` holds 'kernel' [k, k, C_in, C_out], 'scale' and 'bias' [C_out].
   With `conv_impl` 'fused_cpu', or 'auto' on CPU where the kernel takes these
-  shapes, conv, ReLU and max-pool are one C++ call each way (`conv_block_cpu`).
+  shapes, conv, ReLU and max-pool are one C++ call each way (`fused_cpu`).
   """
   kernel = block['kernel']
   if ops.resolve_conv_impl(conv_impl) == 'fused_cpu' and (
-      conv_impl == 'fused_cpu' or not conv_block_cpu.unsupported(x, kernel)):
-    x = conv_block_cpu.conv_relu_pool(x, kernel)
+      conv_impl == 'fused_cpu' or not fused_cpu.unsupported(x, kernel)):
+    x = fused_cpu.conv_relu_pool(x, kernel)
   else:
     x = max_pool_2x2(jax.nn.relu(ops.conv2d(x, kernel, impl=conv_impl)))
   return batch_stat_norm(x, block['scale'], block['bias'])

@@ -9,14 +9,14 @@ turns forward and backward passes into batched matrix products instead.
 See docs/performance.md for the measurements.
 
 The generated CNN's conv -> ReLU -> max-pool blocks have a third form on CPU,
-`fused_cpu` (a C++ kernel, `conv_block_cpu`); `auto` picks it where it runs.
+`fused_cpu` (a C++ kernel, `fused_cpu`); `auto` picks it where it runs.
 """
 
 from absl import logging
 import jax
 import jax.numpy as jnp
 
-from cht_jax.models import conv_block_cpu
+from cht_jax.models import fused_cpu
 
 CONV_IMPLS = ('auto', 'patches', 'lax', 'fused_cpu')
 
@@ -36,10 +36,10 @@ def resolve_conv_impl(impl: str, second_order: bool = False) -> str:
   if impl == 'auto':
     if not on_cpu or second_order:
       return 'patches'
-    if not conv_block_cpu.available():
+    if not fused_cpu.available():
       logging.log_first_n(logging.WARNING, "model.conv_impl='auto': the fused CPU kernel "
                           "is not available (%s); using 'patches'.", 1,
-                          conv_block_cpu.build_error())
+                          fused_cpu.build_error())
       return 'patches'
     return 'fused_cpu'
   if impl == 'fused_cpu':
@@ -49,8 +49,8 @@ def resolve_conv_impl(impl: str, second_order: bool = False) -> str:
     if second_order:
       raise ValueError("model.conv_impl='fused_cpu' has no second derivative, which "
                        'second-order MAML needs; use auto or patches.')
-    if not conv_block_cpu.available():
-      raise ValueError(f"model.conv_impl='fused_cpu': {conv_block_cpu.build_error()}")
+    if not fused_cpu.available():
+      raise ValueError(f"model.conv_impl='fused_cpu': {fused_cpu.build_error()}")
   return impl
 
 

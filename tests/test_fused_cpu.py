@@ -10,7 +10,7 @@ import pytest
 from cht_jax import continual
 from cht_jax import models
 from cht_jax.models import cnn as cnn_lib
-from cht_jax.models import conv_block_cpu
+from cht_jax.models import fused_cpu
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import ops
 from conftest import override, tiny_config
@@ -33,7 +33,7 @@ def test_forward_and_gradients_match_patches(n, size, c_in, c_out, k):
   x = jax.random.normal(keys[0], (n, size, size, c_in))
   kernel = 0.5 * jax.random.normal(keys[1], (k, k, c_in, c_out))
   d_pooled = jax.random.normal(keys[2], (n, size // 2, size // 2, c_out))
-  fused = jax.jit(lambda *a: value_and_grads(conv_block_cpu.conv_relu_pool, *a))(
+  fused = jax.jit(lambda *a: value_and_grads(fused_cpu.conv_relu_pool, *a))(
       x, kernel, d_pooled)
   expected = value_and_grads(reference, x, kernel, d_pooled)
   assert float(jnp.abs(fused[0]).max()) > 0  # Some ReLUs are on.
@@ -48,7 +48,7 @@ def test_vmapped_calls_loop_over_the_batch():
   kernels = jax.random.normal(jax.random.key(1), (3, 3, 3, 8, 8))
   for in_axes, k in (((0, 0), kernels), ((0, None), kernels[0])):
     loss = lambda fn: lambda x, k: jnp.sum(jax.vmap(fn, in_axes)(x, k) ** 2)
-    got = jax.value_and_grad(loss(conv_block_cpu.conv_relu_pool), (0, 1))(x, k)
+    got = jax.value_and_grad(loss(fused_cpu.conv_relu_pool), (0, 1))(x, k)
     want = jax.value_and_grad(loss(reference), (0, 1))(x, k)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
@@ -96,17 +96,17 @@ def test_auto_falls_back_where_the_kernel_does_not_fit():
 def test_a_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
   monkeypatch.setenv('CHT_JAX_KERNEL_CACHE', str(tmp_path))
   monkeypatch.setenv('CXX', str(tmp_path / 'no-such-compiler'))
-  with pytest.raises(conv_block_cpu.KernelBuildError, match='conv_impl=patches'):
-    conv_block_cpu._compile()  # pylint: disable=protected-access
+  with pytest.raises(fused_cpu.KernelBuildError, match='conv_impl=patches'):
+    fused_cpu._compile()  # pylint: disable=protected-access
   assert not list(tmp_path.glob('*.so'))
 
 
 def test_the_build_is_cached(tmp_path, monkeypatch):
   monkeypatch.setenv('CHT_JAX_KERNEL_CACHE', str(tmp_path))
-  library = conv_block_cpu._compile()  # pylint: disable=protected-access
+  library = fused_cpu._compile()  # pylint: disable=protected-access
   assert library.parent == tmp_path and library.exists()
   modified = library.stat().st_mtime_ns
-  assert conv_block_cpu._compile() == library  # pylint: disable=protected-access
+  assert fused_cpu._compile() == library  # pylint: disable=protected-access
   assert library.stat().st_mtime_ns == modified
 
 

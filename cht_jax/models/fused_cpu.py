@@ -1,6 +1,6 @@
 """conv -> ReLU -> 2x2 max-pool as one XLA:CPU call each way (`conv_impl='fused_cpu'`).
 
-The kernel (`conv_block_cpu.cc`, C++ through the XLA FFI) is compiled with the
+The kernel (`fused_cpu.cc`, C++ through the XLA FFI) is compiled with the
 machine's C++ compiler on first use and cached (`$CHT_JAX_KERNEL_CACHE`, by
 default ~/.cache/cht_jax), keyed by the source, jaxlib's version and the CPU.
 It gives the same numbers as `ops.conv2d` + `jax.nn.relu` + `max_pool_2x2` up
@@ -11,7 +11,9 @@ CHT's training differentiates twice, but second-order MAML cannot use it.
 
 Why it exists: with 8 channels, XLA:CPU runs the generated CNN as many small
 memory-bound operations (patch gathers, transposes, pooling and their
-gradients); see docs/performance.md.
+gradients); see docs/performance.md. Under a device mesh it must run inside
+`shard_map` (as `train.batch_grads` and evaluation do): XLA's partitioner does
+not know how to split a custom call and would gather the batch around it.
 """
 
 import ctypes
@@ -23,12 +25,16 @@ import platform
 import subprocess
 import tempfile
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import jaxlib
 
-_SOURCE = pathlib.Path(__file__).with_name('conv_block_cpu.cc')
-_FORWARD, _BACKWARD = 'cht_conv_block_forward', 'cht_conv_block_backward'
+_SOURCE = pathlib.Path(__file__).with_name('fused_cpu.cc')
+_TARGETS = {  # XLA custom-call target: the library's handler symbol.
+    'cht_conv_block_forward': 'ChtConvBlockForward',
+    'cht_conv_block_backward': 'ChtConvBlockBackward',
+}
 _COMPILER_FLAGS = ('-O3', '-march=native', '-std=c++17', '-shared', '-fPIC')
 
 
@@ -56,10 +62,11 @@ def _compile() -> pathlib.Path:
   key = hashlib.sha256(b'\0'.join([
       source, jaxlib.__version__.encode(), ' '.join(_COMPILER_FLAGS).encode(),
       _cpu_signature().encode()])).hexdigest()[:16]
-  library = _cache_dir() / f'conv_block_cpu_{key}.so'
+  library = _cache_dir() / f'fused_cpu_{key}.so'
   if library.exists():
     return library
   compiler = os.environ.get('CXX', 'g++')
+  logging.info('Compiling %s into %s (once per machine, a few seconds).', _SOURCE.name, library)
   library.parent.mkdir(parents=True, exist_ok=True)
   # Build to a temporary name and rename: concurrent processes never see half a file.
   with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
@@ -84,12 +91,9 @@ def _compile() -> pathlib.Path:
 def load() -> None:
   """Compiles (once per machine) and registers the kernel with XLA:CPU."""
   library = ctypes.cdll.LoadLibrary(str(_compile()))
-  for name, symbol in ((_FORWARD, library.ChtConvBlockForward),
-                       (_BACKWARD, library.ChtConvBlockBackward)):
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform='cpu')
-    # Leading (vmapped) dimensions are independent problems: sharded over a
-    # device mesh, each device runs its own share instead of gathering them all.
-    jax.ffi.register_ffi_target_as_batch_partitionable(name)
+  for name, symbol in _TARGETS.items():
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
+                                platform='cpu')
 
 
 def available() -> bool:
@@ -116,7 +120,7 @@ def _pooled_shapes(x: jax.Array, kernel: jax.Array):
 def _forward_call(x, kernel):
   # 'broadcast_all': a vmapped call gets leading batch dimensions on every
   # operand, which the kernel loops over.
-  return jax.ffi.ffi_call(_FORWARD, _pooled_shapes(x, kernel),
+  return jax.ffi.ffi_call('cht_conv_block_forward', _pooled_shapes(x, kernel),
                           vmap_method='broadcast_all')(x, kernel)
 
 
@@ -134,7 +138,7 @@ def _bwd(residuals, d_pooled):
   x, kernel, winner = residuals
   shapes = (jax.ShapeDtypeStruct(x.shape, jnp.float32),
             jax.ShapeDtypeStruct(kernel.shape, jnp.float32))
-  return tuple(jax.ffi.ffi_call(_BACKWARD, shapes, vmap_method='broadcast_all')(
+  return tuple(jax.ffi.ffi_call('cht_conv_block_backward', shapes, vmap_method='broadcast_all')(
       x, kernel, winner, d_pooled))
 
 
@@ -148,8 +152,8 @@ def unsupported(x: jax.Array, kernel: jax.Array) -> str | None:
   k = kernel.shape[0]
   if (x.ndim != 4 or kernel.ndim != 4 or kernel.shape[1] != k or k % 2 != 1
       or kernel.shape[2] != x.shape[-1] or kernel.shape[3] not in (8, 16, 32, 64)):
-    return (f'it needs x [N, H, W, C_in] and an odd square kernel [k, k, C_in, C_out] with '
-            f'C_out in (8, 16, 32, 64), got {kernel.shape} for {x.shape}')
+    return (f'it needs x [N, H, W, C_in] and an odd square kernel [k, k, C_in, C_out] '
+            f'with C_out in (8, 16, 32, 64), got {kernel.shape} for {x.shape}')
   return None
 
 
@@ -171,3 +175,4 @@ def conv_relu_pool(x: jax.Array, kernel: jax.Array) -> jax.Array:
     raise ValueError(f"model.conv_impl='fused_cpu': {reason}; use auto or patches.")
   load()
   return _conv_relu_pool(x, kernel)
+

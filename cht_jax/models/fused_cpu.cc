@@ -1,6 +1,6 @@
 // The generated CNN's conv -> ReLU -> 2x2 max-pool, fused, for XLA:CPU (XLA FFI).
 //
-// Built on first use by conv_block_cpu.py (g++ -O3 -march=native). Why: the
+// Built on first use by fused_cpu.py (g++ -O3 -march=native). Why: the
 // generated CNN has 8 channels, so XLA:CPU spends a training step moving small
 // tensors (patch gathers, transposes, pooling and their gradients) in ~2,500
 // separate operations per episode. Here one call does the forward pass and one
@@ -20,7 +20,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -41,20 +40,20 @@ ffi::Error GetShape(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>&
   auto kd = kernel.dimensions();
   if (xd.size() < 4 || kd.size() != xd.size()) {
     return ffi::Error::InvalidArgument(
-        "conv_block_cpu: x must be [B..., N, H, W, Ci] and kernel [B..., K, K, Ci, Co] "
+        "fused_cpu: x must be [B..., N, H, W, Ci] and kernel [B..., K, K, Ci, Co] "
         "with the same leading dimensions");
   }
   size_t r = xd.size();
   s->batch = 1;
   for (size_t i = 0; i + 4 < r; ++i) {
-    if (xd[i] != kd[i]) return ffi::Error::InvalidArgument("conv_block_cpu: batch mismatch");
+    if (xd[i] != kd[i]) return ffi::Error::InvalidArgument("fused_cpu: batch mismatch");
     s->batch *= xd[i];
   }
   s->n = xd[r - 4], s->h = xd[r - 3], s->w = xd[r - 2], s->ci = xd[r - 1];
   s->k = kd[r - 4], s->co = kd[r - 1];
   if (kd[r - 3] != s->k || s->k % 2 != 1 || kd[r - 2] != s->ci) {
     return ffi::Error::InvalidArgument(
-        "conv_block_cpu: kernel must be [K, K, Ci, Co] with odd K and x's Ci");
+        "fused_cpu: kernel must be [K, K, Ci, Co] with odd K and x's Ci");
   }
   return ffi::Error::Success();
 }
@@ -254,7 +253,7 @@ ffi::Error Dispatch(int64_t ci, int64_t co, Fn&& fn) {
     case 64: with_ci(std::integral_constant<int, 8>()); break;
     default:
       return ffi::Error::InvalidArgument(
-          "conv_block_cpu: C_out must be 8, 16, 32 or 64 (use conv_impl=patches)");
+          "fused_cpu: C_out must be 8, 16, 32 or 64 (use conv_impl=patches)");
   }
   return ffi::Error::Success();
 }
@@ -267,9 +266,9 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
   const int64_t y_size = s.n * s.hp() * s.wp() * s.co;
   return Dispatch(s.ci, s.co, [&](auto nv, auto ci) {
     for (int64_t b = 0; b < s.batch; ++b) {
-      Forward<decltype(nv)::value, decltype(ci)::value>(s, x.typed_data() + b * x_size,
-                                   kernel.typed_data() + b * k_size,
-                                   y->typed_data() + b * y_size, arg->typed_data() + b * y_size);
+      Forward<decltype(nv)::value, decltype(ci)::value>(
+          s, x.typed_data() + b * x_size, kernel.typed_data() + b * k_size,
+          y->typed_data() + b * y_size, arg->typed_data() + b * y_size);
     }
   });
 }
