@@ -53,14 +53,13 @@ def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
     thetas: theta_0..theta_{T-1}, each leaf stacked on a leading T axis.
     prototypes: [T, K, D]; row t is computed with theta_t from S(t).
   """
-  cnn = ht.cnn
   if theta_init is None:
-    theta_init = ht_lib.zeros_theta(cnn, support_images.shape[2:])
+    theta_init = ht_lib.zeros_theta(ht.cnn, support_images.shape[2:])
 
   def task_step(theta_prev, task):
     images, labels = task
-    theta = ht.apply({'params': ht_params}, images, labels, theta_prev)
-    embeddings = cnn.apply({'params': theta}, images)
+    theta, embeddings = ht.apply({'params': ht_params}, images, labels, theta_prev,
+                                 with_support_embeddings=True)
     return theta, (theta, losses.class_prototypes(embeddings, labels, ht.num_ways))
 
   if remat:

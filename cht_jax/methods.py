@@ -169,9 +169,9 @@ class MergedHT:
                        f'{self.ht.num_ways} ways); an episode of {num_tasks} has more classes.')
     num_ways = support_size // self.shots
     images, labels = merge_tasks(support_images, support_labels, num_ways)
-    theta = self.ht.apply({'params': params}, images, labels,
-                          ht_lib.zeros_theta(self.cnn, images.shape[1:]))
-    embeddings = self.cnn.apply({'params': theta}, images)
+    theta, embeddings = self.ht.apply({'params': params}, images, labels,
+                                      ht_lib.zeros_theta(self.cnn, images.shape[1:]),
+                                      with_support_embeddings=True)
     prototypes = losses.class_prototypes(embeddings, labels, num_tasks * num_ways)
     return _broadcast(theta, num_tasks), prototypes.reshape(num_tasks, num_ways, -1)
 

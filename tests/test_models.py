@@ -1,5 +1,6 @@
 """The generated CNN and the HyperTransformer: shapes, widths, the weight layout."""
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -92,6 +93,11 @@ def test_generated_theta_is_exactly_the_cnn_params(omniglot_ht):
   assert jax.tree.map(jnp.shape, theta) == jax.tree.map(jnp.shape, cnn_params)
   embeddings = ht.cnn.apply({'params': theta}, support)
   assert embeddings.shape == (20, 20) and bool(jnp.all(jnp.isfinite(embeddings)))
+  # The support embeddings the generator returns are the CNN's under theta_t.
+  same_theta, support_embeddings = ht.apply({'params': params}, support, labels, theta_prev,
+                                            with_support_embeddings=True)
+  chex.assert_trees_all_equal(same_theta, theta)
+  np.testing.assert_array_equal(support_embeddings, embeddings)
 
 
 @pytest.mark.parametrize('generate_bn', [False, True])

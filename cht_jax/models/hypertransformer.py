@@ -126,16 +126,20 @@ class HyperTransformer(nn.Module):
 
   @nn.compact
   def __call__(self, support_images: jax.Array, support_labels: jax.Array,
-               theta_prev: Theta) -> Theta:
+               theta_prev: Theta, with_support_embeddings: bool = False):
     """Generates theta_t from S(t) and theta_{t-1}.
 
     Args:
       support_images: [S, H, W, C] float32.
       support_labels: [S] int32 in 0..num_ways-1.
       theta_prev: theta_{t-1}, the CNN's params pytree (zeros for t = 0).
+      with_support_embeddings: also return the support images' embeddings
+        under theta_t, `self.cnn.apply({'params': theta_t}, support_images)`:
+        generating theta_t has pushed them through every block already.
 
     Returns:
-      theta_t, with the structure of `self.cnn`'s params.
+      theta_t, with the structure of `self.cnn`'s params; with
+      `with_support_embeddings`, (theta_t, [S, cnn_embedding_dim]).
     """
     image_features = features_lib.ImageFeatureExtractor(
         features=self.image_features, kernel_size=self.kernel_size,
@@ -156,6 +160,8 @@ class HyperTransformer(nn.Module):
     rows = self._generate_layer('head', x, image_features, support_labels,
                                 head_to_slices(theta_prev['head']), num_extractor_convs=1)
     theta['head'] = slices_to_head(rows)
+    if with_support_embeddings:
+      return theta, cnn_lib.dense_head(x, theta['head'])
     return theta
 
 
