@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from absl import logging
+from etils import epath
 import flax
 import jax
 import jax.numpy as jnp
@@ -397,8 +398,14 @@ def _save(manager: ocp.CheckpointManager, step: int, state: TrainState, wait: bo
     if wait:
       manager.wait_until_finished()
   except Exception as e:  # pylint: disable=broad-except
-    manager.reload()
-    kept = manager.all_steps()
+    try:
+      manager.reload()
+      kept = manager.all_steps()
+    except Exception:  # pylint: disable=broad-except
+      # Orbax may fail to read a directory in mid-failure: complete steps are
+      # the folders named by a bare number (partial saves carry a suffix).
+      kept = sorted(int(p.name) for p in epath.Path(manager.directory).iterdir()
+                    if p.name.isdigit())
     raise CheckpointError(
         f'Saving a checkpoint in {manager.directory} failed ({_root_cause(e)}). The '
         f'complete checkpoints there (steps {", ".join(map(str, kept)) or "none"}) are '

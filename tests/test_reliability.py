@@ -122,7 +122,10 @@ def trained_steps(workdir):
 
 def error_line(log, name):
   lines = [line for line in log.splitlines() if line.startswith(f'{name}: ')]
-  assert lines, log[-3000:]
+  # Not found: show the first traceback or error, not the shutdown noise after it.
+  first = next((i for i, line in enumerate(log.splitlines())
+                if line.startswith('Traceback') or 'Error' in line.split(':')[0]), 0)
+  assert lines, '\n'.join(log.splitlines()[first:first + 60])
   return lines[-1]
 
 
