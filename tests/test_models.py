@@ -26,6 +26,35 @@ def test_conv_impls_agree(size, kernel_size, stride, padding):
   np.testing.assert_allclose(patches, reference, rtol=1e-5, atol=1e-5)
 
 
+def test_forward_with_gradient_of_runs_fast_alone_and_reference_under_differentiation():
+  fast = lambda x, w: jnp.sin(x) * w + 1.0  # Deliberately different, to tell them apart.
+  reference = lambda x, w: jnp.sin(x) * w
+  f = ops.forward_with_gradient_of(fast, reference)
+  x, w = jnp.arange(3.0), jnp.full(3, 2.0)
+  np.testing.assert_array_equal(jax.jit(f)(x, w), fast(x, w))
+  np.testing.assert_array_equal(jax.vmap(f)(x[None], w[None])[0], fast(x, w))
+  value, grads = jax.value_and_grad(lambda x, w: f(x, w).sum(), argnums=(0, 1))(x, w)
+  want_value, want_grads = jax.value_and_grad(lambda x, w: reference(x, w).sum(),
+                                              argnums=(0, 1))(x, w)
+  assert value == want_value
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize('stride, padding', [(2, 'SAME'), (1, 'VALID')])
+def test_fused_cpu_convs_run_lax_forward_and_the_patches_gradient(stride, padding):
+  """The feature extractors' convs under conv_impl='fused_cpu' (CPU)."""
+  x = jax.random.normal(jax.random.key(0), (3, 9, 9, 5))
+  kernel = jax.random.normal(jax.random.key(1), (3, 3, 5, 7))
+  conv = lambda impl: lambda x, k: ops.conv2d(x, k, stride, padding, impl)
+  np.testing.assert_array_equal(jax.jit(conv('fused_cpu'))(x, kernel),
+                                jax.jit(conv('lax'))(x, kernel))
+  loss = lambda impl: lambda x, k: jnp.sum(conv(impl)(x, k) ** 2)
+  for got, want in zip(jax.grad(loss('fused_cpu'), (0, 1))(x, kernel),
+                       jax.grad(loss('patches'), (0, 1))(x, kernel)):
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize('size', [28, 7, 3, 1])
 def test_max_pool_matches_reduce_window(size):
   x = jax.random.normal(jax.random.key(0), (2, size, size, 3))

@@ -61,11 +61,12 @@ def conv_block(x: jax.Array, block: dict, conv_impl: str) -> jax.Array:
   shapes, conv, ReLU and max-pool are one C++ call each way (`fused_cpu`).
   """
   kernel = block['kernel']
-  if ops.resolve_conv_impl(conv_impl) == 'fused_cpu' and (
-      conv_impl == 'fused_cpu' or not fused_cpu.unsupported(x, kernel)):
+  impl = ops.resolve_conv_impl(conv_impl)
+  if impl == 'fused_cpu' and (conv_impl == 'fused_cpu' or not fused_cpu.unsupported(x, kernel)):
     x = fused_cpu.conv_relu_pool(x, kernel)
-  else:
-    x = max_pool_2x2(jax.nn.relu(ops.conv2d(x, kernel, impl=conv_impl)))
+  else:  # 'auto' where the kernel does not fit: patches.
+    impl = 'patches' if impl == 'fused_cpu' else impl
+    x = max_pool_2x2(jax.nn.relu(ops.conv2d(x, kernel, impl=impl)))
   return batch_stat_norm(x, block['scale'], block['bias'])
 
 

@@ -12,6 +12,9 @@ The generated CNN's conv -> ReLU -> max-pool blocks have a third form on CPU,
 `fused_cpu` (a C++ kernel, `fused_cpu`); `auto` picks it where it runs.
 """
 
+import functools
+from typing import Callable
+
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -63,6 +66,22 @@ def _padding(size: int, kernel: int, stride: int, padding: str) -> tuple[int, in
   return total // 2, total - total // 2
 
 
+def forward_with_gradient_of(fast: Callable, reference: Callable) -> Callable:
+  """`fast` where nothing differentiates it; `reference`'s value and VJP where something does.
+
+  For forward-only passes (generating theta to evaluate or deploy) that have a
+  faster form with no gradient of its own: training, which differentiates, runs
+  exactly `reference`, and forward-only calls get `fast`, equal up to float
+  rounding (tested). Both take and return arrays (close over the rest).
+  """
+  @jax.custom_vjp
+  def call(*args):
+    return fast(*args)
+
+  call.defvjp(lambda *args: jax.vjp(reference, *args), lambda vjp, grad: vjp(grad))
+  return call
+
+
 def conv2d(x: jax.Array, kernel: jax.Array, stride: int = 1, padding: str = 'SAME',
            impl: str = 'patches') -> jax.Array:
   """2-D convolution without bias, NHWC.
@@ -73,18 +92,32 @@ def conv2d(x: jax.Array, kernel: jax.Array, stride: int = 1, padding: str = 'SAM
     stride: the same in both spatial dimensions.
     padding: 'SAME' or 'VALID'.
     impl: 'patches' (shifted copies + one matrix product) or 'lax'
-      (`lax.conv_general_dilated`); both give the same numbers. 'fused_cpu'
-      and 'auto' are resolved (`resolve_conv_impl`); `fused_cpu` fuses only the
-      generated CNN's blocks (`cnn.conv_block`), other convs use patches.
+      (`lax.conv_general_dilated`); both give the same numbers. 'auto' is
+      resolved (`resolve_conv_impl`). 'fused_cpu' fuses the generated CNN's
+      blocks (`cnn.conv_block`); the other convs then run `lax` where nothing
+      differentiates them (faster there on CPU) and `patches` where something
+      does (`forward_with_gradient_of`).
 
   Returns:
     [N, H_out, W_out, C_out].
   """
   impl = resolve_conv_impl(impl)
+  lax_conv = functools.partial(_lax_conv, stride=stride, padding=padding)
+  patches_conv = functools.partial(_patches_conv, stride=stride, padding=padding)
   if impl == 'lax':
-    return jax.lax.conv_general_dilated(
-        x, kernel, window_strides=(stride, stride), padding=padding,
-        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+    return lax_conv(x, kernel)
+  if impl == 'fused_cpu':
+    return forward_with_gradient_of(lax_conv, patches_conv)(x, kernel)
+  return patches_conv(x, kernel)
+
+
+def _lax_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: str) -> jax.Array:
+  return jax.lax.conv_general_dilated(
+      x, kernel, window_strides=(stride, stride), padding=padding,
+      dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+
+def _patches_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: str) -> jax.Array:
   kh, kw, c_in, c_out = kernel.shape
   _, h, w, _ = x.shape
   pad_h, pad_w = _padding(h, kh, stride, padding), _padding(w, kw, stride, padding)
