@@ -155,6 +155,7 @@ SCHEMA: dict[str, Check] = {
     'model.activation': _choice(tuple(transformer.ACTIVATIONS)),
     'model.generate_bn': _boolean,
     'model.conv_impl': _choice(ops.CONV_IMPLS),
+    'model.encoder_impl': _choice(transformer.ENCODER_IMPLS),
     'model.remat': _remat,
     'model.vectorize': _choice(continual.VECTORIZE_OPTIONS),
     'loss': _choice(losses.LOSSES),
@@ -352,6 +353,11 @@ def _model_problems(c: ml_collections.ConfigDict, num_devices: int) -> list[str]
   if c.model.conv_impl == 'fused_cpu':  # Where it cannot run ('auto' falls back).
     try:
       ops.resolve_conv_impl(c.model.conv_impl, second_order=c.method == 'maml')
+    except ValueError as e:
+      problems.append(str(e))
+  if c.model.encoder_impl == 'fused_cpu':
+    try:
+      transformer.resolve_encoder_impl(c.model.encoder_impl)
     except ValueError as e:
       problems.append(str(e))
   return problems

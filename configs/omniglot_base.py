@@ -73,6 +73,10 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   # (models/fused_cpu.py), else 'patches'; 'lax' and 'fused_cpu' on demand.
   # Same numbers up to float rounding (docs/performance.md).
   config.model.conv_impl = 'auto'
+  # 'auto': forward-only passes of the transformers (generating theta for
+  # evaluation) as one C++ call per stack on CPU (models/fused_cpu.py), else
+  # 'xla'; training always differentiates the XLA form.
+  config.model.encoder_impl = 'auto'
   # Rematerialise each task's generation in the backward pass: 'auto' does where the
   # episodes are vmapped (accelerators; memory), and where they are looped (CPU) from
   # T = 3 on, where it is faster (continual.remat_option).

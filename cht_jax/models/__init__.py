@@ -22,5 +22,6 @@ def build_hypertransformer(config: ml_collections.ConfigDict) -> HyperTransforme
       value_fraction=model.value_fraction,
       inner_fraction=model.inner_fraction,
       activation=model.activation,
+      encoder_impl=model.encoder_impl,
       generate_bn=model.generate_bn,
   )

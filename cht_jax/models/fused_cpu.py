@@ -1,19 +1,28 @@
-"""conv -> ReLU -> 2x2 max-pool as one XLA:CPU call each way (`conv_impl='fused_cpu'`).
+"""C++ kernels for XLA:CPU: the generated CNN's conv block and the encoder's forward pass.
 
-The kernel (`fused_cpu.cc`, C++ through the XLA FFI) is compiled with the
-machine's C++ compiler on first use and cached (`$CHT_JAX_KERNEL_CACHE`, by
-default ~/.cache/cht_jax), keyed by the source, jaxlib's version and the CPU.
-It gives the same numbers as `ops.conv2d` + `jax.nn.relu` + `max_pool_2x2` up
-to float rounding, and the same gradients except where two positive
-pre-activations of a pooling window tie (all the gradient goes to the first,
-where JAX's reduce-max splits it). It has a first derivative only: nothing in
-CHT's training differentiates twice, but second-order MAML cannot use it.
+- `conv_relu_pool` (`conv_impl='fused_cpu'`, `fused_cpu.cc`): conv -> ReLU ->
+  2x2 max-pool as one call each way, forward and backward.
+- `encoder_forward` (`encoder_impl='fused_cpu'`, `fused_cpu_encoder.cc`): a
+  whole `transformer.Encoder` stack's forward pass as one call, on the calling
+  thread and one helper from XLA's pool (`fused_cpu_threads.h`). It has no
+  gradient: `transformer.Encoder` uses it only where nothing differentiates it.
 
-Why it exists: with 8 channels, XLA:CPU runs the generated CNN as many small
-memory-bound operations (patch gathers, transposes, pooling and their
-gradients); see docs/performance.md. Under a device mesh it must run inside
-`shard_map` (as `train.batch_grads` and evaluation do): XLA's partitioner does
-not know how to split a custom call and would gather the batch around it.
+The library is compiled with the machine's C++ compiler on first use and cached
+(`$CHT_JAX_KERNEL_CACHE`, by default ~/.cache/cht_jax), keyed by the sources,
+jaxlib's version and the CPU. The kernels give the same numbers as the JAX
+forms up to float rounding; the conv block's gradients are the same except
+where two positive pre-activations of a pooling window tie (all the gradient
+goes to the first, where JAX's reduce-max splits it). The conv block has a
+first derivative only: nothing in CHT's training differentiates twice, but
+second-order MAML cannot use it.
+
+Why they exist: with 8 channels and 28-40 tokens, XLA:CPU runs the model as
+thousands of small operations (patch gathers, transposes, pooling, and each
+encoder layer's ~22 operations), most of them ~1 us of work behind a
+thread-pool hand-off; see docs/performance.md. Under a device mesh a custom
+call must run inside `shard_map` (as `train.batch_grads` and evaluation do):
+XLA's partitioner does not know how to split it and would gather the batch
+around it.
 """
 
 import ctypes
@@ -29,11 +38,15 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
-_SOURCE = pathlib.Path(__file__).with_name('fused_cpu.cc')
+_SOURCES = tuple(pathlib.Path(__file__).with_name(name)
+                 for name in ('fused_cpu.cc', 'fused_cpu_encoder.cc'))
+_HEADERS = (pathlib.Path(__file__).with_name('fused_cpu_threads.h'),)
 _TARGETS = {  # XLA custom-call target: the library's handler symbol.
     'cht_conv_block_forward': 'ChtConvBlockForward',
     'cht_conv_block_backward': 'ChtConvBlockBackward',
+    'cht_encoder_forward': 'ChtEncoderForward',
 }
 _COMPILER_FLAGS = ('-O3', '-march=native', '-std=c++17', '-shared', '-fPIC')
 
@@ -58,20 +71,20 @@ def _cpu_signature() -> str:
 
 
 def _compile() -> pathlib.Path:
-  source = _SOURCE.read_bytes()
   key = hashlib.sha256(b'\0'.join([
-      source, jaxlib.__version__.encode(), ' '.join(_COMPILER_FLAGS).encode(),
-      _cpu_signature().encode()])).hexdigest()[:16]
+      *(source.read_bytes() for source in _SOURCES + _HEADERS), jaxlib.__version__.encode(),
+      ' '.join(_COMPILER_FLAGS).encode(),      _cpu_signature().encode()])).hexdigest()[:16]
   library = _cache_dir() / f'fused_cpu_{key}.so'
   if library.exists():
     return library
   compiler = os.environ.get('CXX', 'g++')
-  logging.info('Compiling %s into %s (once per machine, a few seconds).', _SOURCE.name, library)
+  names = ' and '.join(source.name for source in _SOURCES)
+  logging.info('Compiling %s into %s (once per machine, a few seconds).', names, library)
   library.parent.mkdir(parents=True, exist_ok=True)
   # Build to a temporary name and rename: concurrent processes never see half a file.
   with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
     partial = pathlib.Path(tmp) / library.name
-    command = [compiler, *_COMPILER_FLAGS, f'-I{jax.ffi.include_dir()}', str(_SOURCE),
+    command = [compiler, *_COMPILER_FLAGS, f'-I{jax.ffi.include_dir()}', *map(str, _SOURCES),
                '-o', str(partial)]
     try:
       subprocess.run(command, check=True, capture_output=True, text=True)
@@ -81,7 +94,7 @@ def _compile() -> pathlib.Path:
           "set CXX or install g++), or use --config.model.conv_impl=patches.") from e
     except subprocess.CalledProcessError as e:
       raise KernelBuildError(
-          f"Compiling {_SOURCE.name} failed ({' '.join(command)}):\n{e.stderr[-2000:]}\n"
+          f"Compiling {names} failed ({' '.join(command)}):\n{e.stderr[-2000:]}\n"
           'Use --config.model.conv_impl=patches to run without it.') from e
     os.replace(partial, library)
   return library
@@ -175,4 +188,44 @@ def conv_relu_pool(x: jax.Array, kernel: jax.Array) -> jax.Array:
     raise ValueError(f"model.conv_impl='fused_cpu': {reason}; use auto or patches.")
   load()
   return _conv_relu_pool(x, kernel)
+
+
+
+ENCODER_ACTIVATIONS = ('relu', 'gelu', 'leaky_relu')  # The kernel's activation codes.
+# Each layer's parameters in the order the kernel reads them.
+_ENCODER_LAYER_PARAMS = tuple(
+    [(('attention', name), leaf) for name in ('query', 'key', 'value', 'output')
+     for leaf in ('kernel', 'bias')]
+    + [(('attention_norm',), 'scale'), (('attention_norm',), 'bias')]
+    + [((name,), leaf) for name in ('ffn_inner', 'ffn_output') for leaf in ('kernel', 'bias')]
+    + [(('ffn_norm',), 'scale'), (('ffn_norm',), 'bias')])
+
+
+def encoder_forward(params: dict, tokens: jax.Array, num_heads: int,
+                    activation: str) -> jax.Array:
+  """`transformer.Encoder`'s forward pass as one call (no gradient of its own).
+
+  Args:
+    params: the Encoder's params: {'layer_0': ..., 'layer_1': ...}.
+    tokens: [L, E] float32 (vmap adds batch dimensions).
+    num_heads, activation: the Encoder's attributes.
+
+  Returns:
+    [L, E], equal to the Encoder's output up to float rounding.
+  """
+  load()
+  leaves = []
+  for i in range(len(params)):
+    layer = params[f'layer_{i}']
+    for path, leaf in _ENCODER_LAYER_PARAMS:
+      module = layer
+      for name in path:
+        module = module[name]
+      leaves.append(module[leaf])
+  # 'expand_dims': under vmap, unbatched parameters get size-1 leading
+  # dimensions, which the kernel reads as shared (no copies).
+  call = jax.ffi.ffi_call('cht_encoder_forward', jax.ShapeDtypeStruct(tokens.shape, jnp.float32),
+                          vmap_method='expand_dims')
+  return call(tokens, *leaves, num_heads=np.int64(num_heads),
+              activation=np.int64(ENCODER_ACTIVATIONS.index(activation)))
 

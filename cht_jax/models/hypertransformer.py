@@ -71,7 +71,8 @@ class HyperTransformer(nn.Module):
     image_features: width of the shared image feature extractor.
     activation_features: filters of each per-layer activation extractor
       (None: the CNN's width, as in HT).
-    num_layers, num_heads, *_fraction, activation: each layer's transformer.
+    num_layers, num_heads, *_fraction, activation, encoder_impl: each layer's
+      transformer (`transformer.Encoder`).
     generate_bn: generate BatchNorm scale/offset (2 numbers more per conv
       token) instead of training them as shared parameters.
   """
@@ -89,6 +90,7 @@ class HyperTransformer(nn.Module):
   value_fraction: float = 1.0
   inner_fraction: float = 1.0
   activation: str = 'relu'
+  encoder_impl: str = 'xla'
   generate_bn: bool = False
 
   @property
@@ -121,7 +123,8 @@ class HyperTransformer(nn.Module):
         num_layers=self.num_layers, num_heads=self.num_heads,
         query_key_fraction=self.query_key_fraction,
         value_fraction=self.value_fraction, inner_fraction=self.inner_fraction,
-        activation=self.activation, name=f'{name}_transformer')(tokens)
+        activation=self.activation, impl=self.encoder_impl,
+        name=f'{name}_transformer')(tokens)
     return outputs[:num_tokens, emb:emb + block_size]
 
   @nn.compact

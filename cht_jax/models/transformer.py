@@ -3,13 +3,21 @@
 Post-LayerNorm: x = LN(x + MHA(x)); x = LN(x + FFN(x)), LN epsilon 1e-6.
 Biases on the q, k, v and output projections; softmax attention scaled by
 sqrt(per-head depth); no positional encoding (tokens form a set).
+
+On CPU a whole stack can also run as one C++ call (`impl='fused_cpu'`,
+`fused_cpu.encoder_forward`), where nothing differentiates it: generating
+theta to evaluate or deploy. Training differentiates it and runs these modules.
 """
 
 import math
 
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from cht_jax.models import fused_cpu
+from cht_jax.models import ops
 
 ACTIVATIONS = {
     'relu': jax.nn.relu,
@@ -17,6 +25,30 @@ ACTIVATIONS = {
     'leaky_relu': lambda x: jax.nn.leaky_relu(x, negative_slope=0.1),
 }
 LAYER_NORM_EPSILON = 1e-6
+ENCODER_IMPLS = ('auto', 'xla', 'fused_cpu')
+
+
+def resolve_encoder_impl(impl: str) -> str:
+  """'auto' is 'fused_cpu' on CPU where the kernel compiles, else 'xla'.
+
+  Raises:
+    ValueError: 'fused_cpu' asked for where it cannot run.
+  """
+  if impl not in ENCODER_IMPLS:
+    raise ValueError(f'Unknown encoder_impl {impl!r}; expected one of {ENCODER_IMPLS}.')
+  on_cpu = jax.default_backend() == 'cpu'
+  if impl == 'auto':
+    if on_cpu and not fused_cpu.available():
+      logging.log_first_n(logging.WARNING, "model.encoder_impl='auto': the fused CPU kernel "
+                          "is not available (%s); using 'xla'.", 1, fused_cpu.build_error())
+    return 'fused_cpu' if on_cpu and fused_cpu.available() else 'xla'
+  if impl == 'fused_cpu':
+    if not on_cpu:
+      raise ValueError(f"model.encoder_impl='fused_cpu' runs on CPU only, not on "
+                       f'{jax.default_backend()}; use auto or xla.')
+    if not fused_cpu.available():
+      raise ValueError(f"model.encoder_impl='fused_cpu': {fused_cpu.build_error()}")
+  return impl
 
 
 def width_from_fraction(model_width: int, fraction: float, num_heads: int) -> int:
@@ -67,7 +99,10 @@ class EncoderLayer(nn.Module):
 class Encoder(nn.Module):
   """A stack of post-LN encoder layers; widths given as fractions of E.
 
-  Input and output: [L, E] tokens of one task (vmap for batches).
+  Input and output: [L, E] tokens of one task (vmap for batches). `impl`
+  ('auto', 'xla', 'fused_cpu'; `resolve_encoder_impl`) only changes how an
+  undifferentiated forward pass runs: under differentiation it is always these
+  modules (`ops.forward_with_gradient_of`).
   """
   num_layers: int = 3
   num_heads: int = 2
@@ -75,9 +110,16 @@ class Encoder(nn.Module):
   value_fraction: float = 1.0
   inner_fraction: float = 1.0
   activation: str = 'relu'
+  impl: str = 'xla'
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
+    if resolve_encoder_impl(self.impl) == 'fused_cpu' and not self.is_initializing():
+      reference = self.clone(parent=None, impl='xla')
+      fused = lambda params, x: fused_cpu.encoder_forward(
+          params, x, self.num_heads, self.activation)
+      apply = lambda params, x: reference.apply({'params': params}, x)
+      return ops.forward_with_gradient_of(fused, apply)(self.variables['params'], tokens)
     width = tokens.shape[-1]
     dims = {
         'query_key_dim': width_from_fraction(width, self.query_key_fraction, self.num_heads),
