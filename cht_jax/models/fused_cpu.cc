@@ -1,6 +1,7 @@
 // The generated CNN's conv -> ReLU -> 2x2 max-pool, fused, for XLA:CPU (XLA FFI).
 //
-// Built on first use by fused_cpu.py (g++ -O3 -march=native). Why: the
+// Built on first use by fused_cpu.py (g++ -O3 -march=native), with
+// fused_cpu_encoder.cc into one library. Why: the
 // generated CNN has 8 channels, so XLA:CPU spends a training step moving small
 // tensors (patch gathers, transposes, pooling and their gradients) in ~2,500
 // separate operations per episode. Here one call does the forward pass and one
@@ -32,6 +33,10 @@ struct Shape {
   int64_t batch, n, h, w, ci, co, k;
   int64_t hp() const { return h / 2; }
   int64_t wp() const { return w / 2; }
+  // Elements of x, kernel and y (and arg) per batch element.
+  int64_t x_size() const { return n * h * w * ci; }
+  int64_t k_size() const { return k * k * ci * co; }
+  int64_t y_size() const { return n * hp() * wp() * co; }
 };
 
 ffi::Error GetShape(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& kernel,
@@ -85,51 +90,72 @@ void PadImage(const float* image, int64_t h, int64_t w, int64_t c, int64_t pad,
   }
 }
 
+// The pooling windows (i, j) .. (i, j + J - 1) of image n: their 4 J conv
+// outputs at once, 4 J independent chains of multiply-adds (8 keep both FMA
+// units busy; one window's 4 leave half of them idle).
+template <int NV, int CI, int J>
+inline void ForwardWindows(const Shape& s, const float* padded, const float* kernel, int64_t n,
+                           int64_t i, int64_t j, float* y, int8_t* arg) {
+  constexpr int64_t co = 8 * NV;
+  const int64_t ci_n = CI > 0 ? CI : s.ci, k = s.k, w_padded = s.w + 2 * (s.k / 2);
+  v8 acc[J][4][NV];
+  for (int c = 0; c < J; ++c)
+    for (int pos = 0; pos < 4; ++pos)
+      for (int v = 0; v < NV; ++v) acc[c][pos][v] = Splat(0.0f);
+  for (int64_t di = 0; di < k; ++di) {
+    for (int64_t dj = 0; dj < k; ++dj) {
+      const float* xp = padded + ((2 * i + di) * w_padded + 2 * j + dj) * ci_n;
+      const float* kp = kernel + (di * k + dj) * ci_n * co;
+      for (int64_t ci = 0; ci < ci_n; ++ci) {
+        for (int v = 0; v < NV; ++v) {
+          const v8 kv = Load(kp + ci * co + 8 * v);
+          for (int c = 0; c < J; ++c) {
+            for (int pos = 0; pos < 4; ++pos) {
+              acc[c][pos][v] +=
+                  Splat(xp[((pos / 2) * w_padded + 2 * c + pos % 2) * ci_n + ci]) * kv;
+            }
+          }
+        }
+      }
+    }
+  }
+  // relu then max == max then relu: the maximum starts at 0 with no winner
+  // (-1); the window's first maximum wins (strict >).
+  for (int c = 0; c < J; ++c) {
+    const int64_t o = ((n * s.hp() + i) * s.wp() + j + c) * co;
+    for (int v = 0; v < NV; ++v) {
+      v8 best = Splat(0.0f), best_at = Splat(-1.0f);
+      for (int pos = 0; pos < 4; ++pos) {
+        auto won = acc[c][pos][v] > best;
+        best = won ? acc[c][pos][v] : best;
+        best_at = won ? Splat(static_cast<float>(pos)) : best_at;
+      }
+      Store(y + o + 8 * v, best);
+      for (int lane = 0; lane < 8; ++lane) {
+        arg[o + 8 * v + lane] = static_cast<int8_t>(best_at[lane]);
+      }
+    }
+  }
+}
+
 // NV = C_out / 8 vectors of output channels; CI = C_in, or 0 to read it from
 // the shape. Both fixed at compile time let the loops below unroll into
 // registers.
 template <int NV, int CI>
 void Forward(const Shape& s, const float* x, const float* kernel, float* y, int8_t* arg) {
-  constexpr int64_t co = 8 * NV;
-  const int64_t ci_n = CI > 0 ? CI : s.ci, k = s.k, pad = s.k / 2;
-  const int64_t hp = s.hp(), wp = s.wp(), w_padded = s.w + 2 * pad;
+  // Two windows at a time where their 8 NV accumulators fit in the registers.
+  constexpr int kColumns = NV <= 2 ? 2 : 1;
+  const int64_t ci_n = CI > 0 ? CI : s.ci, pad = s.k / 2;
   std::vector<float> padded;
   for (int64_t n = 0; n < s.n; ++n) {
     PadImage(x + n * s.h * s.w * ci_n, s.h, s.w, ci_n, pad, &padded);
-    for (int64_t i = 0; i < hp; ++i) {
-      for (int64_t j = 0; j < wp; ++j) {
-        // The pooling window's 4 conv outputs at once: 4 independent chains
-        // of multiply-adds instead of one.
-        v8 acc[4][NV];
-        for (int pos = 0; pos < 4; ++pos)
-          for (int v = 0; v < NV; ++v) acc[pos][v] = Splat(0.0f);
-        for (int64_t di = 0; di < k; ++di) {
-          for (int64_t dj = 0; dj < k; ++dj) {
-            const float* xp = padded.data() + ((2 * i + di) * w_padded + 2 * j + dj) * ci_n;
-            const float* kp = kernel + (di * k + dj) * ci_n * co;
-            for (int64_t ci = 0; ci < ci_n; ++ci) {
-              for (int v = 0; v < NV; ++v) {
-                const v8 kv = Load(kp + ci * co + 8 * v);
-                for (int pos = 0; pos < 4; ++pos) {
-                  acc[pos][v] += Splat(xp[((pos / 2) * w_padded + pos % 2) * ci_n + ci]) * kv;
-                }
-              }
-            }
-          }
-        }
-        // relu then max == max then relu: the maximum starts at 0 with no
-        // winner (-1); the window's first maximum wins (strict >).
-        const int64_t o = ((n * hp + i) * wp + j) * co;
-        for (int v = 0; v < NV; ++v) {
-          v8 best = Splat(0.0f), best_at = Splat(-1.0f);
-          for (int pos = 0; pos < 4; ++pos) {
-            auto won = acc[pos][v] > best;
-            best = won ? acc[pos][v] : best;
-            best_at = won ? Splat(static_cast<float>(pos)) : best_at;
-          }
-          Store(y + o + 8 * v, best);
-          for (int c = 0; c < 8; ++c) arg[o + 8 * v + c] = static_cast<int8_t>(best_at[c]);
-        }
+    for (int64_t i = 0; i < s.hp(); ++i) {
+      int64_t j = 0;
+      for (; j + kColumns <= s.wp(); j += kColumns) {
+        ForwardWindows<NV, CI, kColumns>(s, padded.data(), kernel, n, i, j, y, arg);
+      }
+      for (; j < s.wp(); ++j) {
+        ForwardWindows<NV, CI, 1>(s, padded.data(), kernel, n, i, j, y, arg);
       }
     }
   }
@@ -262,13 +288,11 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
                        ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::S8> arg) {
   Shape s;
   if (auto e = GetShape(x, kernel, &s); e.failure()) return e;
-  const int64_t x_size = s.n * s.h * s.w * s.ci, k_size = s.k * s.k * s.ci * s.co;
-  const int64_t y_size = s.n * s.hp() * s.wp() * s.co;
   return Dispatch(s.ci, s.co, [&](auto nv, auto ci) {
     for (int64_t b = 0; b < s.batch; ++b) {
       Forward<decltype(nv)::value, decltype(ci)::value>(
-          s, x.typed_data() + b * x_size, kernel.typed_data() + b * k_size,
-          y->typed_data() + b * y_size, arg->typed_data() + b * y_size);
+          s, x.typed_data() + b * s.x_size(), kernel.typed_data() + b * s.k_size(),
+          y->typed_data() + b * s.y_size(), arg->typed_data() + b * s.y_size());
     }
   });
 }
@@ -278,14 +302,12 @@ ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
                         ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dkernel) {
   Shape s;
   if (auto e = GetShape(x, kernel, &s); e.failure()) return e;
-  const int64_t x_size = s.n * s.h * s.w * s.ci, k_size = s.k * s.k * s.ci * s.co;
-  const int64_t y_size = s.n * s.hp() * s.wp() * s.co;
   return Dispatch(s.ci, s.co, [&](auto nv, auto ci) {
     for (int64_t b = 0; b < s.batch; ++b) {
       Backward<decltype(nv)::value, decltype(ci)::value>(
-          s, x.typed_data() + b * x_size, kernel.typed_data() + b * k_size,
-          arg.typed_data() + b * y_size, dy.typed_data() + b * y_size,
-          dx->typed_data() + b * x_size, dkernel->typed_data() + b * k_size);
+          s, x.typed_data() + b * s.x_size(), kernel.typed_data() + b * s.k_size(),
+          arg.typed_data() + b * s.y_size(), dy.typed_data() + b * s.y_size(),
+          dx->typed_data() + b * s.x_size(), dkernel->typed_data() + b * s.k_size());
     }
   });
 }
