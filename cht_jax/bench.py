@@ -50,14 +50,10 @@ def _time(fn, min_seconds: float, blocking: bool = False) -> float:
   Calls go back to back, as in training, where JAX's asynchronous dispatch
   overlaps the Python side of one call with the execution of the one before,
   in three rounds of which the fastest counts; with `blocking` each call waits
-  for its result (a latency).
+  for its result, and the mean counts.
   """
   if blocking:
-    calls, start = 0, time.perf_counter()
-    while calls < 3 or time.perf_counter() - start < min_seconds:
-      jax.block_until_ready(fn())
-      calls += 1
-    return (time.perf_counter() - start) / calls
+    return float(np.mean(_latencies(fn, min_seconds)))
   start = time.perf_counter()
   jax.block_until_ready(fn())
   calls = max(3, math.ceil(min_seconds / 3 / max(time.perf_counter() - start, 1e-6)))
@@ -69,6 +65,17 @@ def _time(fn, min_seconds: float, blocking: bool = False) -> float:
     jax.block_until_ready(out)
     rounds.append((time.perf_counter() - start) / calls)
   return min(rounds)
+
+
+def _latencies(fn, min_seconds: float) -> np.ndarray:
+  """Seconds of each call of `fn` (already compiled), each waiting for its result;
+  at least 3 calls and `min_seconds`."""
+  seconds, start = [], time.perf_counter()
+  while len(seconds) < 3 or time.perf_counter() - start < min_seconds:
+    call_start = time.perf_counter()
+    jax.block_until_ready(fn())
+    seconds.append(time.perf_counter() - call_start)
+  return np.array(seconds)
 
 
 def matmul_gflops(min_seconds: float = 2.0) -> float:
@@ -162,8 +169,12 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   }
 
 
-def generation_latency(config, class_images, min_seconds: float) -> float:
-  """Seconds to generate theta_t for one new task from its support set and theta_{t-1}."""
+def generation_latency(config, class_images, min_seconds: float) -> dict[str, float]:
+  """Seconds to generate theta_t for one new task from its support set and theta_{t-1}.
+
+  Returns the median, mean and 90th percentile over the calls (one at a time,
+  each waiting for its result), and their number.
+  """
   ht = models.build_hypertransformer(config)
   spec = train.episode_spec(config)
   episode = episodes_lib.sample_episode(jax.random.key(0), class_images, spec, rotate=False)
@@ -173,8 +184,10 @@ def generation_latency(config, class_images, min_seconds: float) -> float:
   params = ht.init(jax.random.key(0), support_images, support_labels, theta)['params']
   generate = jax.jit(lambda p, x, y, t: ht.apply({'params': p}, x, y, t))
   theta = generate(params, support_images, support_labels, theta)
-  return _time(lambda: generate(params, support_images, support_labels, theta), min_seconds,
-               blocking=True)
+  seconds = _latencies(lambda: generate(params, support_images, support_labels, theta),
+                       min_seconds)
+  return {'median': float(np.median(seconds)), 'mean': float(np.mean(seconds)),
+          'p90': float(np.percentile(seconds, 90)), 'calls': len(seconds)}
 
 
 def main(argv):
@@ -209,8 +222,12 @@ def main(argv):
             f"{r['sampling_episodes_per_s']:>13.0f} {r['peak_memory_bytes'] / 2**20:>8.0f}",
             flush=True)
   latency = generation_latency(config, class_images, FLAGS.min_seconds / 2)
-  header['generation_latency_ms'] = latency * 1e3
-  print(f"generating theta for one new task: {header['generation_latency_ms']:.2f} ms")
+  header['generation_latency_ms'] = latency['median'] * 1e3
+  header['generation_latency_mean_ms'] = latency['mean'] * 1e3
+  header['generation_latency_p90_ms'] = latency['p90'] * 1e3
+  print(f"generating theta for one new task: {header['generation_latency_ms']:.2f} ms median "
+        f"(mean {header['generation_latency_mean_ms']:.2f}, 90th percentile "
+        f"{header['generation_latency_p90_ms']:.2f}, {latency['calls']} calls)")
   if FLAGS.output:
     with open(FLAGS.output, 'w') as f:
       json.dump({**header, 'rows': rows}, f, indent=2)
