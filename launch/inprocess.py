@@ -104,6 +104,7 @@ def main(argv=None) -> int:
   parser.add_argument('--eval_batch_size', type=int, default=8)
   parser.add_argument('--table', default='inprocess')
   args = parser.parse_args(argv)
+  devices.use_cpu_cores()  # As main.py: on a CPU host, each core takes its own episodes.
   with np.load(os.path.expanduser(args.npz)) as f:
     data = {k: f[k] for k in f.files}
   print(f'JAX {jax.__version__} on {jax.devices()}', flush=True)
