@@ -73,7 +73,7 @@ def _cpu_signature() -> str:
 def _compile() -> pathlib.Path:
   key = hashlib.sha256(b'\0'.join([
       *(source.read_bytes() for source in _SOURCES + _HEADERS), jaxlib.__version__.encode(),
-      ' '.join(_COMPILER_FLAGS).encode(),      _cpu_signature().encode()])).hexdigest()[:16]
+      ' '.join(_COMPILER_FLAGS).encode(), _cpu_signature().encode()])).hexdigest()[:16]
   library = _cache_dir() / f'fused_cpu_{key}.so'
   if library.exists():
     return library
@@ -123,6 +123,31 @@ def build_error() -> str | None:
     return str(e)
   return None
 
+
+
+def resolve(field: str, impl: str, fallback: str) -> str:
+  """What config field `field` = `impl` stands for on this backend.
+
+  'auto' is 'fused_cpu' on CPU where the library builds (else, with a warning
+  on CPU, `fallback`); an explicit 'fused_cpu' must be able to run; any other
+  value stands for itself.
+
+  Raises:
+    ValueError: 'fused_cpu' asked for where it cannot run.
+  """
+  on_cpu = jax.default_backend() == 'cpu'
+  if impl == 'auto':
+    if on_cpu and not available():
+      logging.log_first_n(logging.WARNING, "%s='auto': the fused CPU kernel is not available "
+                          "(%s); using '%s'.", 1, field, build_error(), fallback)
+    return 'fused_cpu' if on_cpu and available() else fallback
+  if impl == 'fused_cpu':
+    if not on_cpu:
+      raise ValueError(f"{field}='fused_cpu' runs on CPU only, not on "
+                       f'{jax.default_backend()}; use auto or {fallback}.')
+    if not available():
+      raise ValueError(f"{field}='fused_cpu': {build_error()}")
+  return impl
 
 def _pooled_shapes(x: jax.Array, kernel: jax.Array):
   *lead, h, w, _ = x.shape

@@ -4,7 +4,8 @@
 // Built with fused_cpu.cc by fused_cpu.py. Why: generating theta runs five
 // small encoders (28-40 tokens of width 80-104), ~22 XLA:CPU operations per
 // layer, most of them ~1 us of work behind a thread-pool hand-off. Here a whole
-// stack is one call on the calling thread. Forward only: training
+// stack is one call, its rows split between the calling thread and a helper
+// (fused_cpu_threads.h). Forward only: training
 // differentiates the encoder, and there it runs as XLA ops
 // (ops.forward_with_gradient_of).
 //

@@ -15,7 +15,6 @@ The generated CNN's conv -> ReLU -> max-pool blocks have a third form on CPU,
 import functools
 from typing import Callable
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 
@@ -35,26 +34,12 @@ def resolve_conv_impl(impl: str, second_order: bool = False) -> str:
   """
   if impl not in CONV_IMPLS:
     raise ValueError(f'Unknown conv_impl {impl!r}; expected one of {CONV_IMPLS}.')
-  on_cpu = jax.default_backend() == 'cpu'
-  if impl == 'auto':
-    if not on_cpu or second_order:
-      return 'patches'
-    if not fused_cpu.available():
-      logging.log_first_n(logging.WARNING, "model.conv_impl='auto': the fused CPU kernel "
-                          "is not available (%s); using 'patches'.", 1,
-                          fused_cpu.build_error())
-      return 'patches'
-    return 'fused_cpu'
-  if impl == 'fused_cpu':
-    if not on_cpu:
-      raise ValueError(f"model.conv_impl='fused_cpu' runs on CPU only, not on "
-                       f'{jax.default_backend()}; use auto or patches.')
-    if second_order:
-      raise ValueError("model.conv_impl='fused_cpu' has no second derivative, which "
-                       'second-order MAML needs; use auto or patches.')
-    if not fused_cpu.available():
-      raise ValueError(f"model.conv_impl='fused_cpu': {fused_cpu.build_error()}")
-  return impl
+  if second_order and impl == 'auto':
+    return 'patches'
+  if second_order and impl == 'fused_cpu' and jax.default_backend() == 'cpu':
+    raise ValueError("model.conv_impl='fused_cpu' has no second derivative, which "
+                     'second-order MAML needs; use auto or patches.')
+  return fused_cpu.resolve('model.conv_impl', impl, fallback='patches')
 
 
 def _padding(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:

@@ -11,7 +11,6 @@ theta to evaluate or deploy. Training differentiates it and runs these modules.
 
 import math
 
-from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -36,19 +35,7 @@ def resolve_encoder_impl(impl: str) -> str:
   """
   if impl not in ENCODER_IMPLS:
     raise ValueError(f'Unknown encoder_impl {impl!r}; expected one of {ENCODER_IMPLS}.')
-  on_cpu = jax.default_backend() == 'cpu'
-  if impl == 'auto':
-    if on_cpu and not fused_cpu.available():
-      logging.log_first_n(logging.WARNING, "model.encoder_impl='auto': the fused CPU kernel "
-                          "is not available (%s); using 'xla'.", 1, fused_cpu.build_error())
-    return 'fused_cpu' if on_cpu and fused_cpu.available() else 'xla'
-  if impl == 'fused_cpu':
-    if not on_cpu:
-      raise ValueError(f"model.encoder_impl='fused_cpu' runs on CPU only, not on "
-                       f'{jax.default_backend()}; use auto or xla.')
-    if not fused_cpu.available():
-      raise ValueError(f"model.encoder_impl='fused_cpu': {fused_cpu.build_error()}")
-  return impl
+  return fused_cpu.resolve('model.encoder_impl', impl, fallback='xla')
 
 
 def width_from_fraction(model_width: int, fraction: float, num_heads: int) -> int:
