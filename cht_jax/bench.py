@@ -13,6 +13,7 @@ analysis), so numbers from different machines compare. Prints a table and
 writes it as JSON.
 """
 
+import functools
 import json
 import math
 import platform
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import config_flags
 
+from cht_jax import api
 from cht_jax import continual
 from cht_jax import devices
 from cht_jax import models
@@ -53,7 +55,7 @@ def _time(fn, min_seconds: float, blocking: bool = False) -> float:
   for its result, and the mean counts.
   """
   if blocking:
-    return float(np.mean(_latencies(fn, min_seconds)))
+    return float(np.mean(_latencies([fn], min_seconds)[0]))
   start = time.perf_counter()
   jax.block_until_ready(fn())
   calls = max(3, math.ceil(min_seconds / 3 / max(time.perf_counter() - start, 1e-6)))
@@ -67,15 +69,19 @@ def _time(fn, min_seconds: float, blocking: bool = False) -> float:
   return min(rounds)
 
 
-def _latencies(fn, min_seconds: float) -> np.ndarray:
-  """Seconds of each call of `fn` (already compiled), each waiting for its result;
-  at least 3 calls and `min_seconds`."""
-  seconds, start = [], time.perf_counter()
-  while len(seconds) < 3 or time.perf_counter() - start < min_seconds:
-    call_start = time.perf_counter()
-    jax.block_until_ready(fn())
-    seconds.append(time.perf_counter() - call_start)
-  return np.array(seconds)
+def _latencies(fns, min_seconds: float, batch: int = 20) -> list[np.ndarray]:
+  """Seconds of each call of each of `fns` (already compiled), each call waiting
+  for its result; at least 3 calls of each and `min_seconds` in all. The
+  functions take turns in batches of `batch` calls, so that a machine whose
+  speed drifts affects all of them alike."""
+  seconds, start = [[] for _ in fns], time.perf_counter()
+  while len(seconds[0]) < 3 or time.perf_counter() - start < min_seconds:
+    for fn, fn_seconds in zip(fns, seconds):
+      for _ in range(batch):
+        call_start = time.perf_counter()
+        jax.block_until_ready(fn())
+        fn_seconds.append(time.perf_counter() - call_start)
+  return [np.array(s) for s in seconds]
 
 
 def matmul_gflops(min_seconds: float = 2.0) -> float:
@@ -172,8 +178,13 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
 def generation_latency(config, class_images, min_seconds: float) -> dict[str, float]:
   """Seconds to generate theta_t for one new task from its support set and theta_{t-1}.
 
-  Returns the median, mean and 90th percentile over the calls (one at a time,
-  each waiting for its result), and their number.
+  Times `api.compile_generator` (what `api.learn_task` runs: the parameters
+  are constants of the compiled program) and, taking turns with it, the same
+  function with the parameters as arguments, as training passes them.
+
+  Returns the median, mean and 90th percentile of the former over the calls
+  (one at a time, each waiting for its result), their number, and the
+  latter's median.
   """
   ht = models.build_hypertransformer(config)
   spec = train.episode_spec(config)
@@ -182,12 +193,15 @@ def generation_latency(config, class_images, min_seconds: float) -> dict[str, fl
   support_labels = episode['support_labels'][0]
   theta = models.hypertransformer.zeros_theta(ht.cnn, support_images.shape[1:])
   params = ht.init(jax.random.key(0), support_images, support_labels, theta)['params']
-  generate = jax.jit(lambda p, x, y, t: ht.apply({'params': p}, x, y, t))
-  theta = generate(params, support_images, support_labels, theta)
-  seconds = _latencies(lambda: generate(params, support_images, support_labels, theta),
-                       min_seconds)
+  compiled_in = api.compile_generator(ht, params)
+  as_arguments = jax.jit(functools.partial(continual.generate_task, ht))
+  theta, _ = compiled_in(support_images, support_labels, theta)
+  seconds, seconds_as_arguments = _latencies(
+      [lambda: compiled_in(support_images, support_labels, theta),
+       lambda: as_arguments(params, support_images, support_labels, theta)], min_seconds)
   return {'median': float(np.median(seconds)), 'mean': float(np.mean(seconds)),
-          'p90': float(np.percentile(seconds, 90)), 'calls': len(seconds)}
+          'p90': float(np.percentile(seconds, 90)), 'calls': len(seconds),
+          'params_as_arguments_median': float(np.median(seconds_as_arguments))}
 
 
 def main(argv):
@@ -225,9 +239,12 @@ def main(argv):
   header['generation_latency_ms'] = latency['median'] * 1e3
   header['generation_latency_mean_ms'] = latency['mean'] * 1e3
   header['generation_latency_p90_ms'] = latency['p90'] * 1e3
+  header['generation_latency_params_as_arguments_ms'] = latency['params_as_arguments_median'] * 1e3
   print(f"generating theta for one new task: {header['generation_latency_ms']:.2f} ms median "
         f"(mean {header['generation_latency_mean_ms']:.2f}, 90th percentile "
-        f"{header['generation_latency_p90_ms']:.2f}, {latency['calls']} calls)")
+        f"{header['generation_latency_p90_ms']:.2f}, {latency['calls']} calls); "
+        f"{header['generation_latency_params_as_arguments_ms']:.2f} ms median with the "
+        'parameters as arguments')
   if FLAGS.output:
     with open(FLAGS.output, 'w') as f:
       json.dump({**header, 'rows': rows}, f, indent=2)

@@ -35,6 +35,22 @@ class TaskPairs(NamedTuple):
     return cls(t.astype(np.int32), tau.astype(np.int32))
 
 
+def generate_task(ht: ht_lib.HyperTransformer, ht_params: Any, support_images: jax.Array,
+                  support_labels: jax.Array, theta_prev: Any):
+  """theta_t = HT(S(t), theta_{t-1}) and the prototypes of task t.
+
+  Args:
+    support_images: [S, H, W, C]; support_labels: [S] in 0..K-1.
+    theta_prev: theta_{t-1}.
+
+  Returns:
+    theta_t, and prototypes [K, D] computed with theta_t.
+  """
+  theta, embeddings = ht.apply({'params': ht_params}, support_images, support_labels,
+                               theta_prev, with_support_embeddings=True)
+  return theta, losses.class_prototypes(embeddings, support_labels, ht.num_ways)
+
+
 def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
                     support_images: jax.Array, support_labels: jax.Array,
                     theta_init: Any = None, remat: bool = True, unroll: bool = False):
@@ -57,10 +73,8 @@ def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
     theta_init = ht_lib.zeros_theta(ht.cnn, support_images.shape[2:])
 
   def task_step(theta_prev, task):
-    images, labels = task
-    theta, embeddings = ht.apply({'params': ht_params}, images, labels, theta_prev,
-                                 with_support_embeddings=True)
-    return theta, (theta, losses.class_prototypes(embeddings, labels, ht.num_ways))
+    theta, prototypes = generate_task(ht, ht_params, *task, theta_prev)
+    return theta, (theta, prototypes)
 
   if remat:
     task_step = jax.checkpoint(task_step)

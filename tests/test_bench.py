@@ -19,3 +19,4 @@ def test_bench_config_reports_every_field():
   latency = bench.generation_latency(config, images, min_seconds=0.0)
   assert latency['calls'] >= 3
   assert 0 < latency['median'] <= latency['p90'] and latency['mean'] > 0
+  assert latency['params_as_arguments_median'] > 0

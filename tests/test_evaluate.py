@@ -1,6 +1,7 @@
 """Evaluation protocol, checkpoint restore, result files, figures and the library API."""
 
 import csv
+import functools
 import importlib.util
 import json
 import os
@@ -20,6 +21,7 @@ from cht_jax import models
 from cht_jax import plots
 from cht_jax import train
 from cht_jax.data import episodes
+from cht_jax.models import hypertransformer as ht_lib
 
 from conftest import REPO_ROOT, class_images, tiny_config
 
@@ -315,6 +317,26 @@ def test_api_learns_task_by_task_like_the_scan(trained):
   tasks, labels = api.classify(model, theta, protos, queries)
   assert tasks.shape == labels.shape == (6,)
   assert int(tasks.max()) <= 2 and int(labels.max()) <= 2
+
+
+def test_api_generator_compiles_the_parameters_in(trained):
+  config, _, params = trained
+  model = api.model_from_params(config, params)
+  images = jnp.asarray(class_images(images_per_class=8)[:3, :2].reshape(6, 16, 16, 1),
+                       jnp.float32) / 128 - 1
+  labels = jnp.arange(6) // 2
+  theta_prev = jax.tree.map(lambda leaf: leaf + 0.1, ht_lib.zeros_theta(model.ht.cnn, (16, 16, 1)))
+  stablehlo = model.generate.lower(images, labels, theta_prev).as_text()
+  signature = stablehlo[stablehlo.index('@main('):]
+  num_arguments = signature[:signature.index('{')].count('%arg')
+  # The support set and theta_{t-1}'s leaves (those used), not the parameters.
+  assert 2 <= num_arguments <= 2 + len(jax.tree.leaves(theta_prev)) < len(jax.tree.leaves(params))
+  theta, prototypes = model.generate(images, labels, theta_prev)
+  expected_theta, expected_prototypes = jax.jit(functools.partial(
+      continual.generate_task, model.ht))(params, images, labels, theta_prev)
+  np.testing.assert_allclose(prototypes, expected_prototypes, rtol=1e-5, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+               theta, expected_theta)
 
 
 def test_api_errors_name_the_problem(trained):
