@@ -54,6 +54,40 @@ def test_vmapped_calls_loop_over_the_batch():
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize('lead, n, size, c_in, c_out', [
+    ((), 20, 28, 1, 8), ((), 20, 14, 8, 8), ((), 6, 3, 8, 8), ((3,), 5, 9, 3, 32),
+    ((2,), 4, 6, 8, 64)])
+def test_forward_only_block_with_its_batchnorm(lead, n, size, c_in, c_out):
+  keys = jax.random.split(jax.random.key(size + c_out), 4)
+  x = jax.random.normal(keys[0], (*lead, n, size, size, c_in))
+  kernel = 0.5 * jax.random.normal(keys[1], (*lead, 3, 3, c_in, c_out))
+  scale = jax.random.normal(keys[2], (*lead, c_out))
+  bias = jax.random.normal(keys[3], (*lead, c_out))
+  fused = lambda *a: fused_cpu.conv_relu_pool_norm(*a, epsilon=cnn_lib.BATCH_NORM_EPSILON)
+  two_calls = lambda x, k, s, b: cnn_lib.batch_stat_norm(fused_cpu.conv_relu_pool(x, k), s, b)
+  for _ in lead:  # One batched call (vmap's 'broadcast_all'), each episode its own statistics.
+    fused, two_calls = jax.vmap(fused), jax.vmap(two_calls)
+  got = jax.jit(fused)(x, kernel, scale, bias)
+  want = two_calls(x, kernel, scale, bias)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # Normalised: each channel's mean is its bias (the statistics are the output's own).
+  np.testing.assert_allclose(got.mean(axis=(-4, -3, -2)), bias, atol=1e-4)
+
+
+def test_conv_block_uses_the_norm_kernel_only_where_nothing_differentiates_it():
+  x = jax.random.normal(jax.random.key(0), (6, 14, 14, 8))
+  block = {'kernel': 0.3 * jax.random.normal(jax.random.key(1), (3, 3, 8, 8)),
+           'scale': jnp.linspace(0.5, 2.0, 8), 'bias': jnp.linspace(-1.0, 1.0, 8)}
+  forward = lambda block: cnn_lib.conv_block(x, block, 'fused_cpu')
+  loss = lambda block: jnp.sum(jnp.sin(forward(block)))
+  assert 'cht_conv_block_norm_forward' in str(jax.make_jaxpr(forward)(block))
+  assert 'cht_conv_block_norm_forward' not in str(jax.make_jaxpr(jax.grad(loss))(block))
+  two_calls = lambda block: jnp.sum(jnp.sin(cnn_lib.batch_stat_norm(
+      fused_cpu.conv_relu_pool(x, block['kernel']), block['scale'], block['bias'])))
+  jax.tree.map(np.testing.assert_array_equal, jax.jit(jax.grad(loss))(block),
+               jax.jit(jax.grad(two_calls))(block))
+
+
 def test_a_training_loss_and_its_gradient_match_patches(tiny_episode):
   """The whole CHT loss (generation through the fused blocks, T(T+1)/2 query passes)."""
   results = {}

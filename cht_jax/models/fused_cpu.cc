@@ -18,7 +18,11 @@
 // Backward: dy -> dx [B..., N, H, W, Ci], dkernel [B..., K, K, Ci, Co]. The
 // gradient goes to the first maximum of each window (ties between positive
 // pre-activations only; JAX's reduce-max would split it between them).
+// Forward only (ChtConvBlockNormForward: no gradient, nothing differentiates
+// it): y, then the block's BatchNorm with y's own statistics, given
+//   scale, bias [B..., Co] f32, and the attribute epsilon.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -131,6 +135,7 @@ inline void ForwardWindows(const Shape& s, const float* padded, const float* ker
         best_at = won ? Splat(static_cast<float>(pos)) : best_at;
       }
       Store(y + o + 8 * v, best);
+      if (arg == nullptr) continue;  // Forward only: no winners kept.
       for (int lane = 0; lane < 8; ++lane) {
         arg[o + 8 * v + lane] = static_cast<int8_t>(best_at[lane]);
       }
@@ -157,6 +162,44 @@ void Forward(const Shape& s, const float* x, const float* kernel, float* y, int8
       for (; j < s.wp(); ++j) {
         ForwardWindows<NV, CI, 1>(s, padded.data(), kernel, n, i, j, y, arg);
       }
+    }
+  }
+}
+
+// BatchNorm of y [rows, 8 NV] in place, with y's own statistics over the rows:
+// (y - mean) * rsqrt(var + epsilon) * scale + bias, var the mean squared
+// deviation (cnn.batch_stat_norm). Four partial sums per vector for speed.
+template <int NV>
+void BatchStatNorm(int64_t rows, const float* scale, const float* bias, float epsilon,
+                   float* y) {
+  constexpr int64_t co = 8 * NV;
+  auto mean_over_rows = [&](auto value) {
+    v8 sum[4][NV];
+    for (int p = 0; p < 4; ++p)
+      for (int v = 0; v < NV; ++v) sum[p][v] = Splat(0.0f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int v = 0; v < NV; ++v) sum[r % 4][v] += value(Load(y + r * co + 8 * v), v);
+    std::vector<v8> mean(NV);
+    for (int v = 0; v < NV; ++v)
+      mean[v] = ((sum[0][v] + sum[1][v]) + (sum[2][v] + sum[3][v])) / Splat(float(rows));
+    return mean;
+  };
+  const std::vector<v8> mean = mean_over_rows([](v8 x, int) { return x; });
+  const std::vector<v8> var = mean_over_rows([&](v8 x, int v) {
+    const v8 d = x - mean[v];
+    return d * d;
+  });
+  v8 multiplier[NV], offset[NV];
+  for (int v = 0; v < NV; ++v) {
+    for (int lane = 0; lane < 8; ++lane) {
+      multiplier[v][lane] = scale[8 * v + lane] / std::sqrt(var[v][lane] + epsilon);
+    }
+    offset[v] = Load(bias + 8 * v);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int v = 0; v < NV; ++v) {
+      float* yp = y + r * co + 8 * v;
+      Store(yp, (Load(yp) - mean[v]) * multiplier[v] + offset[v]);
     }
   }
 }
@@ -297,6 +340,27 @@ ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
   });
 }
 
+// Forward only (no winners): the block followed by its BatchNorm.
+ffi::Error NormForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
+                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
+                           float epsilon, ffi::ResultBuffer<ffi::F32> y) {
+  Shape s;
+  if (auto e = GetShape(x, kernel, &s); e.failure()) return e;
+  if (scale.element_count() != s.batch * s.co || bias.element_count() != s.batch * s.co) {
+    return ffi::Error::InvalidArgument("fused_cpu: scale and bias must be [B..., Co]");
+  }
+  return Dispatch(s.ci, s.co, [&](auto nv, auto ci) {
+    constexpr int NV = decltype(nv)::value;
+    for (int64_t b = 0; b < s.batch; ++b) {
+      float* yb = y->typed_data() + b * s.y_size();
+      Forward<NV, decltype(ci)::value>(s, x.typed_data() + b * s.x_size(),
+                                       kernel.typed_data() + b * s.k_size(), yb, nullptr);
+      BatchStatNorm<NV>(s.y_size() / s.co, scale.typed_data() + b * s.co,
+                        bias.typed_data() + b * s.co, epsilon, yb);
+    }
+  });
+}
+
 ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
                         ffi::Buffer<ffi::S8> arg, ffi::Buffer<ffi::F32> dy,
                         ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dkernel) {
@@ -320,6 +384,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockForward, ForwardImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S8>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockNormForward, NormForwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("epsilon")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockBackward, BackwardImpl,
                               ffi::Ffi::Bind()

@@ -1,7 +1,8 @@
 """C++ kernels for XLA:CPU: the generated CNN's conv block and the encoder's forward pass.
 
 - `conv_relu_pool` (`conv_impl='fused_cpu'`, `fused_cpu.cc`): conv -> ReLU ->
-  2x2 max-pool as one call each way, forward and backward.
+  2x2 max-pool as one call each way, forward and backward; and, forward only,
+  `conv_relu_pool_norm`, the block's BatchNorm too.
 - `encoder_forward` (`encoder_impl='fused_cpu'`, `fused_cpu_encoder.cc`): a
   whole `transformer.Encoder` stack's forward pass as one call, on the calling
   thread and one helper from XLA's pool (`fused_cpu_threads.h`). It has no
@@ -46,6 +47,7 @@ _HEADERS = (pathlib.Path(__file__).with_name('fused_cpu_threads.h'),)
 _TARGETS = {  # XLA custom-call target: the library's handler symbol.
     'cht_conv_block_forward': 'ChtConvBlockForward',
     'cht_conv_block_backward': 'ChtConvBlockBackward',
+    'cht_conv_block_norm_forward': 'ChtConvBlockNormForward',
     'cht_encoder_forward': 'ChtEncoderForward',
 }
 _COMPILER_FLAGS = ('-O3', '-march=native', '-std=c++17', '-shared', '-fPIC')
@@ -214,6 +216,31 @@ def conv_relu_pool(x: jax.Array, kernel: jax.Array) -> jax.Array:
   load()
   return _conv_relu_pool(x, kernel)
 
+
+
+def conv_relu_pool_norm(x: jax.Array, kernel: jax.Array, scale: jax.Array, bias: jax.Array,
+                        epsilon: float) -> jax.Array:
+  """`conv_relu_pool`, then BatchNorm with the statistics of its output, in one call.
+
+  Forward only (no gradient of its own): `cnn.conv_block` uses it where
+  nothing differentiates the block.
+
+  Args:
+    x, kernel: as `conv_relu_pool`'s.
+    scale, bias: [C_out] float32.
+    epsilon: added to the variance.
+
+  Returns:
+    [N, H // 2, W // 2, C_out], `cnn.batch_stat_norm(conv_relu_pool(x, kernel),
+    scale, bias)` up to float rounding.
+  """
+  reason = unsupported(x, kernel)
+  if reason:
+    raise ValueError(f"model.conv_impl='fused_cpu': {reason}; use auto or patches.")
+  load()
+  call = jax.ffi.ffi_call('cht_conv_block_norm_forward', _pooled_shapes(x, kernel)[0],
+                          vmap_method='broadcast_all')
+  return call(x, kernel, scale, bias, epsilon=np.float32(epsilon))
 
 
 ENCODER_ACTIVATIONS = ('relu', 'gelu', 'leaky_relu')  # The kernel's activation codes.
