@@ -20,3 +20,4 @@ def test_bench_config_reports_every_field():
   assert latency['calls'] >= 3
   assert 0 < latency['median'] <= latency['p90'] and latency['mean'] > 0
   assert latency['params_as_arguments_median'] > 0
+  assert 0 < latency['best_round_median'] <= latency['p90']
