@@ -16,76 +16,63 @@ from cht_jax.models import ops
 from conftest import override, tiny_config
 
 
-def reference(x, kernel):
-  return cnn_lib.max_pool_2x2(jax.nn.relu(ops.conv2d(x, kernel, impl='patches')))
+def reference_block(x, kernel, scale, bias):
+  conv = jax.nn.relu(ops.conv2d(x, kernel, impl='patches'))
+  return cnn_lib.batch_stat_norm(cnn_lib.max_pool_2x2(conv), scale, bias)
 
 
-def value_and_grads(fn, x, kernel, d_pooled):
-  pooled, vjp = jax.vjp(fn, x, kernel)
-  return (pooled, *vjp(d_pooled))
+def fused_block(x, kernel, scale, bias):
+  return fused_cpu.conv_relu_pool_norm(x, kernel, scale, bias, cnn_lib.BATCH_NORM_EPSILON)
 
 
-@pytest.mark.parametrize('n, size, c_in, c_out, k', [
-    (6, 28, 1, 8, 3), (4, 14, 8, 8, 3), (5, 7, 8, 8, 3), (3, 3, 8, 8, 3),
-    (2, 9, 3, 16, 3), (2, 10, 5, 64, 5), (3, 6, 16, 32, 1)])
-def test_forward_and_gradients_match_patches(n, size, c_in, c_out, k):
-  keys = jax.random.split(jax.random.key(size * c_in + c_out), 3)
-  x = jax.random.normal(keys[0], (n, size, size, c_in))
-  kernel = 0.5 * jax.random.normal(keys[1], (k, k, c_in, c_out))
-  d_pooled = jax.random.normal(keys[2], (n, size // 2, size // 2, c_out))
-  fused = jax.jit(lambda *a: value_and_grads(fused_cpu.conv_relu_pool, *a))(
-      x, kernel, d_pooled)
-  expected = value_and_grads(reference, x, kernel, d_pooled)
-  assert float(jnp.abs(fused[0]).max()) > 0  # Some ReLUs are on.
-  for got, want in zip(fused, expected):
-    assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
-
-
-def test_vmapped_calls_loop_over_the_batch():
-  """vmap (one batched call) over episodes, with a per-episode or a shared kernel."""
-  x = jax.random.normal(jax.random.key(0), (3, 4, 14, 14, 8))
-  kernels = jax.random.normal(jax.random.key(1), (3, 3, 3, 8, 8))
-  for in_axes, k in (((0, 0), kernels), ((0, None), kernels[0])):
-    loss = lambda fn: lambda x, k: jnp.sum(jax.vmap(fn, in_axes)(x, k) ** 2)
-    got = jax.value_and_grad(loss(fused_cpu.conv_relu_pool), (0, 1))(x, k)
-    want = jax.value_and_grad(loss(reference), (0, 1))(x, k)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize('lead, n, size, c_in, c_out', [
-    ((), 20, 28, 1, 8), ((), 20, 14, 8, 8), ((), 6, 3, 8, 8), ((3,), 5, 9, 3, 32),
-    ((2,), 4, 6, 8, 64)])
-def test_forward_only_block_with_its_batchnorm(lead, n, size, c_in, c_out):
-  keys = jax.random.split(jax.random.key(size + c_out), 4)
+@pytest.mark.parametrize('lead, n, size, c_in, c_out, k', [
+    ((), 20, 28, 1, 8, 3), ((), 20, 14, 8, 8, 3), ((), 5, 7, 8, 8, 3), ((), 6, 3, 8, 8, 3),
+    ((), 2, 9, 3, 16, 3), ((), 2, 10, 5, 64, 5), ((), 3, 6, 16, 32, 1),
+    ((3,), 5, 9, 3, 32, 3), ((2,), 4, 6, 8, 64, 3)])
+def test_block_forward_and_gradients_match_patches(lead, n, size, c_in, c_out, k):
+  keys = jax.random.split(jax.random.key(size * c_in + c_out), 5)
   x = jax.random.normal(keys[0], (*lead, n, size, size, c_in))
-  kernel = 0.5 * jax.random.normal(keys[1], (*lead, 3, 3, c_in, c_out))
+  kernel = 0.5 * jax.random.normal(keys[1], (*lead, k, k, c_in, c_out))
   scale = jax.random.normal(keys[2], (*lead, c_out))
   bias = jax.random.normal(keys[3], (*lead, c_out))
-  fused = lambda *a: fused_cpu.conv_relu_pool_norm(*a, epsilon=cnn_lib.BATCH_NORM_EPSILON)
-  two_calls = lambda x, k, s, b: cnn_lib.batch_stat_norm(fused_cpu.conv_relu_pool(x, k), s, b)
+  d_out = jax.random.normal(keys[4], (*lead, n, size // 2, size // 2, c_out))
+  fused, expected = fused_block, reference_block
   for _ in lead:  # One batched call (vmap's 'broadcast_all'), each episode its own statistics.
-    fused, two_calls = jax.vmap(fused), jax.vmap(two_calls)
-  got = jax.jit(fused)(x, kernel, scale, bias)
-  want = two_calls(x, kernel, scale, bias)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    fused, expected = jax.vmap(fused), jax.vmap(expected)
+  forward_only = jax.jit(fused)(x, kernel, scale, bias)
+  got = jax.jit(lambda *a: jax.vjp(fused, *a[:4])[1](a[4]) + (fused(*a[:4]),))(
+      x, kernel, scale, bias, d_out)
+  want = jax.vjp(expected, x, kernel, scale, bias)[1](d_out) + (expected(x, kernel, scale, bias),)
+  for a, b in zip(got, want):
+    assert a.shape == b.shape
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
+  np.testing.assert_allclose(forward_only, want[-1], rtol=1e-5, atol=1e-5)
   # Normalised: each channel's mean is its bias (the statistics are the output's own).
-  np.testing.assert_allclose(got.mean(axis=(-4, -3, -2)), bias, atol=1e-4)
+  np.testing.assert_allclose(forward_only.mean(axis=(-4, -3, -2)), bias, atol=1e-4)
 
 
-def test_conv_block_uses_the_norm_kernel_only_where_nothing_differentiates_it():
+def test_block_under_vmap_with_shared_parameters():
+  """Shared kernel, scale and bias (in_axes None): their gradients sum over episodes."""
+  x = jax.random.normal(jax.random.key(0), (3, 4, 14, 14, 8))
+  kernel = 0.3 * jax.random.normal(jax.random.key(1), (3, 3, 8, 8))
+  scale, bias = jnp.linspace(0.5, 2.0, 8), jnp.linspace(-1.0, 1.0, 8)
+  loss = lambda fn: lambda *a: jnp.sum(jnp.sin(jax.vmap(fn, (0, None, None, None))(*a)))
+  got = jax.jit(jax.value_and_grad(loss(fused_block), (0, 1, 2, 3)))(x, kernel, scale, bias)
+  want = jax.value_and_grad(loss(reference_block), (0, 1, 2, 3))(x, kernel, scale, bias)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
+
+
+def test_conv_block_keeps_residuals_only_where_differentiated():
   x = jax.random.normal(jax.random.key(0), (6, 14, 14, 8))
   block = {'kernel': 0.3 * jax.random.normal(jax.random.key(1), (3, 3, 8, 8)),
            'scale': jnp.linspace(0.5, 2.0, 8), 'bias': jnp.linspace(-1.0, 1.0, 8)}
   forward = lambda block: cnn_lib.conv_block(x, block, 'fused_cpu')
-  loss = lambda block: jnp.sum(jnp.sin(forward(block)))
-  assert 'cht_conv_block_norm_forward' in str(jax.make_jaxpr(forward)(block))
-  assert 'cht_conv_block_norm_forward' not in str(jax.make_jaxpr(jax.grad(loss))(block))
-  two_calls = lambda block: jnp.sum(jnp.sin(cnn_lib.batch_stat_norm(
-      fused_cpu.conv_relu_pool(x, block['kernel']), block['scale'], block['bias'])))
-  jax.tree.map(np.testing.assert_array_equal, jax.jit(jax.grad(loss))(block),
-               jax.jit(jax.grad(two_calls))(block))
+  forward_only = str(jax.make_jaxpr(forward)(block))
+  differentiated = str(jax.make_jaxpr(jax.grad(lambda b: jnp.sum(forward(b) ** 3)))(block))
+  assert 'cht_conv_block_norm_forward' in forward_only and 'train' not in forward_only
+  assert 'cht_conv_block_norm_train_forward' in differentiated
+  assert 'cht_conv_block_norm_backward' in differentiated
 
 
 def test_a_training_loss_and_its_gradient_match_patches(tiny_episode):

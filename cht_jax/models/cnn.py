@@ -17,7 +17,6 @@ Parameter pytree (`theta`), for `channels=(8, 8, 8, 8)`, 28x28x1 inputs:
   head/kernel [8, 20], head/bias [20]    (generated)
 """
 
-import functools
 from typing import Sequence
 
 import flax.linen as nn
@@ -59,19 +58,13 @@ def conv_block(x: jax.Array, block: dict, conv_impl: str) -> jax.Array:
 
   `block` holds 'kernel' [k, k, C_in, C_out], 'scale' and 'bias' [C_out].
   With `conv_impl` 'fused_cpu', or 'auto' on CPU where the kernel takes these
-  shapes, conv, ReLU and max-pool are one C++ call each way (`fused_cpu`),
-  and forward-only passes run the BatchNorm in that call too.
+  shapes, the whole block is one C++ call each way (`fused_cpu`).
   """
   kernel = block['kernel']
   impl = ops.resolve_conv_impl(conv_impl)
   if impl == 'fused_cpu' and (conv_impl == 'fused_cpu' or not fused_cpu.unsupported(x, kernel)):
-    # Where nothing differentiates the block (generating theta, evaluation),
-    # its BatchNorm runs in the same call: 4 XLA operations fewer per block.
-    reference = lambda x, kernel, scale, bias: batch_stat_norm(
-        fused_cpu.conv_relu_pool(x, kernel), scale, bias)
-    fast = functools.partial(fused_cpu.conv_relu_pool_norm, epsilon=BATCH_NORM_EPSILON)
-    return ops.forward_with_gradient_of(fast, reference)(
-        x, kernel, block['scale'], block['bias'])
+    return fused_cpu.conv_relu_pool_norm(x, kernel, block['scale'], block['bias'],
+                                         BATCH_NORM_EPSILON)
   impl = 'patches' if impl == 'fused_cpu' else impl  # 'auto' where the kernel does not fit.
   x = max_pool_2x2(jax.nn.relu(ops.conv2d(x, kernel, impl=impl)))
   return batch_stat_norm(x, block['scale'], block['bias'])

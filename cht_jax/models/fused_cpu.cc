@@ -1,26 +1,30 @@
-// The generated CNN's conv -> ReLU -> 2x2 max-pool, fused, for XLA:CPU (XLA FFI).
+// The generated CNN's block, conv -> ReLU -> 2x2 max-pool -> BatchNorm,
+// fused, for XLA:CPU (XLA FFI).
 //
 // Built on first use by fused_cpu.py (g++ -O3 -march=native), with
 // fused_cpu_encoder.cc into one library. Why: the
 // generated CNN has 8 channels, so XLA:CPU spends a training step moving small
-// tensors (patch gathers, transposes, pooling and their gradients) in ~2,500
-// separate operations per episode. Here one call does the forward pass and one
-// the backward pass of a block, in place, on the calling device's thread.
+// tensors (patch gathers, transposes, pooling, the norm and their gradients)
+// in ~2,500 separate operations per episode. Here one call does the forward
+// pass and one the backward pass of a block, on the calling device's thread.
 // docs/performance.md has the measurements.
 //
 // Layouts (row-major, leading batch dimensions B allowed on every operand, for
 // vmap's 'broadcast_all'):
-//   x      [B..., N, H, W, Ci]    f32   input
-//   kernel [B..., K, K, Ci, Co]   f32   odd K, stride 1, 'SAME' zero padding
-//   y      [B..., N, H/2, W/2, Co] f32  max-pool(relu(conv(x, kernel)))
-//   arg    [B..., N, H/2, W/2, Co] s8   which of the 4 pooled positions won
-//                                       (a * 2 + b), or -1 where y == 0
-// Backward: dy -> dx [B..., N, H, W, Ci], dkernel [B..., K, K, Ci, Co]. The
+//   x       [B..., N, H, W, Ci]     f32  input
+//   kernel  [B..., K, K, Ci, Co]    f32  odd K, stride 1, 'SAME' zero padding
+//   scale, bias [B..., Co]          f32  the norm's; attribute epsilon
+//   pooled  [B..., N, H/2, W/2, Co] f32  max-pool(relu(conv(x, kernel)))
+//   y       [B..., N, H/2, W/2, Co] f32  the norm of pooled with its own
+//                                        statistics over N, H/2, W/2
+// ChtConvBlockNormForward: x, kernel, scale, bias -> y (nothing differentiates it).
+// ChtConvBlockNormTrainForward: -> y and, for the backward pass, pooled,
+//   arg [B..., N, H/2, W/2, Co] s8 (which of the 4 pooled positions won,
+//   a * 2 + b, or -1 where pooled == 0), mean and inv = 1/sqrt(var + eps),
+//   [B..., Co] each.
+// ChtConvBlockNormBackward: those and dy -> dx, dkernel, dscale, dbias. The
 // gradient goes to the first maximum of each window (ties between positive
 // pre-activations only; JAX's reduce-max would split it between them).
-// Forward only (ChtConvBlockNormForward: no gradient, nothing differentiates
-// it): y, then the block's BatchNorm with y's own statistics, given
-//   scale, bias [B..., Co] f32, and the attribute epsilon.
 
 #include <cmath>
 #include <cstdint>
@@ -146,8 +150,12 @@ inline void ForwardWindows(const Shape& s, const float* padded, const float* ker
 // NV = C_out / 8 vectors of output channels; CI = C_in, or 0 to read it from
 // the shape. Both fixed at compile time let the loops below unroll into
 // registers.
+//
+// Not inlined: inlined into a caller (the FFI handlers' loops), GCC
+// allocated the accumulators worse (14x14x8 block 68 -> 95-111 us).
 template <int NV, int CI>
-void Forward(const Shape& s, const float* x, const float* kernel, float* y, int8_t* arg) {
+__attribute__((noinline)) void Forward(const Shape& s, const float* x, const float* kernel,
+                                       float* y, int8_t* arg) {
   // Two windows at a time where their 8 NV accumulators fit in the registers.
   constexpr int kColumns = NV <= 2 ? 2 : 1;
   const int64_t ci_n = CI > 0 ? CI : s.ci, pad = s.k / 2;
@@ -166,42 +174,77 @@ void Forward(const Shape& s, const float* x, const float* kernel, float* y, int8
   }
 }
 
-// BatchNorm of y [rows, 8 NV] in place, with y's own statistics over the rows:
-// (y - mean) * rsqrt(var + epsilon) * scale + bias, var the mean squared
-// deviation (cnn.batch_stat_norm). Four partial sums per vector for speed.
+// The BatchNorm after each block, on y [rows, 8 NV] (rows = N * H/2 * W/2)
+// with y's own statistics over the rows (cnn.batch_stat_norm): mean, and
+// inv = 1 / sqrt(var + epsilon) with var the mean squared deviation.
+
+// Sums over the rows of value(r, v), a vector of 8 columns, per vector v;
+// four partial sums per vector for speed.
+template <int NV, typename Fn>
+inline void ColumnSums(int64_t rows, Fn value, v8* sums) {
+  v8 part[4][NV];
+  for (int p = 0; p < 4; ++p)
+    for (int v = 0; v < NV; ++v) part[p][v] = Splat(0.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int v = 0; v < NV; ++v) part[r % 4][v] += value(r, v);
+  for (int v = 0; v < NV; ++v) sums[v] = (part[0][v] + part[1][v]) + (part[2][v] + part[3][v]);
+}
+
 template <int NV>
-void BatchStatNorm(int64_t rows, const float* scale, const float* bias, float epsilon,
-                   float* y) {
+void BatchStats(int64_t rows, const float* y, float epsilon, v8* mean, v8* inv) {
   constexpr int64_t co = 8 * NV;
-  auto mean_over_rows = [&](auto value) {
-    v8 sum[4][NV];
-    for (int p = 0; p < 4; ++p)
-      for (int v = 0; v < NV; ++v) sum[p][v] = Splat(0.0f);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int v = 0; v < NV; ++v) sum[r % 4][v] += value(Load(y + r * co + 8 * v), v);
-    std::vector<v8> mean(NV);
-    for (int v = 0; v < NV; ++v)
-      mean[v] = ((sum[0][v] + sum[1][v]) + (sum[2][v] + sum[3][v])) / Splat(float(rows));
-    return mean;
-  };
-  const std::vector<v8> mean = mean_over_rows([](v8 x, int) { return x; });
-  const std::vector<v8> var = mean_over_rows([&](v8 x, int v) {
-    const v8 d = x - mean[v];
+  ColumnSums<NV>(rows, [&](int64_t r, int v) { return Load(y + r * co + 8 * v); }, mean);
+  for (int v = 0; v < NV; ++v) mean[v] /= Splat(float(rows));
+  v8 var[NV];
+  ColumnSums<NV>(rows, [&](int64_t r, int v) {
+    const v8 d = Load(y + r * co + 8 * v) - mean[v];
     return d * d;
-  });
+  }, var);
+  for (int v = 0; v < NV; ++v)
+    for (int lane = 0; lane < 8; ++lane)
+      inv[v][lane] = 1.0f / std::sqrt(var[v][lane] / float(rows) + epsilon);
+}
+
+// out = (y - mean) * inv * scale + bias; out may be y.
+template <int NV>
+void Normalize(int64_t rows, const float* y, const v8* mean, const v8* inv, const float* scale,
+               const float* bias, float* out) {
+  constexpr int64_t co = 8 * NV;
   v8 multiplier[NV], offset[NV];
   for (int v = 0; v < NV; ++v) {
-    for (int lane = 0; lane < 8; ++lane) {
-      multiplier[v][lane] = scale[8 * v + lane] / std::sqrt(var[v][lane] + epsilon);
-    }
+    multiplier[v] = inv[v] * Load(scale + 8 * v);
     offset[v] = Load(bias + 8 * v);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int v = 0; v < NV; ++v) {
-      float* yp = y + r * co + 8 * v;
-      Store(yp, (Load(yp) - mean[v]) * multiplier[v] + offset[v]);
-    }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int v = 0; v < NV; ++v)
+      Store(out + r * co + 8 * v, (Load(y + r * co + 8 * v) - mean[v]) * multiplier[v] + offset[v]);
+}
+
+// The norm's backward: d_out -> d_y, dscale = sum d_out * xhat, dbias = sum
+// d_out, with xhat = (y - mean) * inv and M = rows:
+// d_y = scale * inv / M * (M d_out - dbias - xhat dscale).
+template <int NV>
+void NormalizeBackward(int64_t rows, const float* y, const v8* mean, const v8* inv,
+                       const float* scale, const float* d_out, float* d_y, float* dscale,
+                       float* dbias) {
+  constexpr int64_t co = 8 * NV;
+  auto xhat = [&](int64_t r, int v) { return (Load(y + r * co + 8 * v) - mean[v]) * inv[v]; };
+  v8 sum_d[NV], sum_d_xhat[NV];
+  ColumnSums<NV>(rows, [&](int64_t r, int v) { return Load(d_out + r * co + 8 * v); }, sum_d);
+  ColumnSums<NV>(rows, [&](int64_t r, int v) {
+    return Load(d_out + r * co + 8 * v) * xhat(r, v);
+  }, sum_d_xhat);
+  const v8 m = Splat(float(rows));
+  v8 factor[NV];
+  for (int v = 0; v < NV; ++v) {
+    Store(dbias + 8 * v, sum_d[v]);
+    Store(dscale + 8 * v, sum_d_xhat[v]);
+    factor[v] = Load(scale + 8 * v) * inv[v] / m;
   }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int v = 0; v < NV; ++v)
+      Store(d_y + r * co + 8 * v,
+            factor[v] * (m * Load(d_out + r * co + 8 * v) - sum_d[v] - xhat(r, v) * sum_d_xhat[v]));
 }
 
 template <int NV, int CI>
@@ -327,63 +370,101 @@ ffi::Error Dispatch(int64_t ci, int64_t co, Fn&& fn) {
   return ffi::Error::Success();
 }
 
-ffi::Error ForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
-                       ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::S8> arg) {
-  Shape s;
-  if (auto e = GetShape(x, kernel, &s); e.failure()) return e;
-  return Dispatch(s.ci, s.co, [&](auto nv, auto ci) {
-    for (int64_t b = 0; b < s.batch; ++b) {
-      Forward<decltype(nv)::value, decltype(ci)::value>(
-          s, x.typed_data() + b * s.x_size(), kernel.typed_data() + b * s.k_size(),
-          y->typed_data() + b * s.y_size(), arg->typed_data() + b * s.y_size());
-    }
-  });
+ffi::Error CheckNormShapes(const Shape& s, const ffi::Buffer<ffi::F32>& scale,
+                           const ffi::Buffer<ffi::F32>& bias) {
+  if (scale.element_count() != s.batch * s.co || bias.element_count() != s.batch * s.co) {
+    return ffi::Error::InvalidArgument("fused_cpu: scale and bias must be [B..., Co]");
+  }
+  return ffi::Error::Success();
 }
 
-// Forward only (no winners): the block followed by its BatchNorm.
+// Forward only (no winners, no statistics kept): the block and its norm.
 ffi::Error NormForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
                            float epsilon, ffi::ResultBuffer<ffi::F32> y) {
   Shape s;
   if (auto e = GetShape(x, kernel, &s); e.failure()) return e;
-  if (scale.element_count() != s.batch * s.co || bias.element_count() != s.batch * s.co) {
-    return ffi::Error::InvalidArgument("fused_cpu: scale and bias must be [B..., Co]");
-  }
+  if (auto e = CheckNormShapes(s, scale, bias); e.failure()) return e;
   return Dispatch(s.ci, s.co, [&](auto nv, auto ci) {
     constexpr int NV = decltype(nv)::value;
+    const int64_t rows = s.y_size() / s.co;
     for (int64_t b = 0; b < s.batch; ++b) {
       float* yb = y->typed_data() + b * s.y_size();
       Forward<NV, decltype(ci)::value>(s, x.typed_data() + b * s.x_size(),
                                        kernel.typed_data() + b * s.k_size(), yb, nullptr);
-      BatchStatNorm<NV>(s.y_size() / s.co, scale.typed_data() + b * s.co,
-                        bias.typed_data() + b * s.co, epsilon, yb);
+      v8 mean[NV], inv[NV];
+      BatchStats<NV>(rows, yb, epsilon, mean, inv);
+      Normalize<NV>(rows, yb, mean, inv, scale.typed_data() + b * s.co,
+                    bias.typed_data() + b * s.co, yb);
     }
   });
 }
 
-ffi::Error BackwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
-                        ffi::Buffer<ffi::S8> arg, ffi::Buffer<ffi::F32> dy,
-                        ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dkernel) {
+// For training: the block and its norm, keeping what the backward pass needs:
+// the pooled output before the norm, the winners, mean and inv [B..., Co].
+ffi::Error NormTrainForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
+                                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
+                                float epsilon, ffi::ResultBuffer<ffi::F32> y,
+                                ffi::ResultBuffer<ffi::F32> pooled,
+                                ffi::ResultBuffer<ffi::S8> arg,
+                                ffi::ResultBuffer<ffi::F32> mean_out,
+                                ffi::ResultBuffer<ffi::F32> inv_out) {
   Shape s;
   if (auto e = GetShape(x, kernel, &s); e.failure()) return e;
+  if (auto e = CheckNormShapes(s, scale, bias); e.failure()) return e;
   return Dispatch(s.ci, s.co, [&](auto nv, auto ci) {
+    constexpr int NV = decltype(nv)::value;
+    const int64_t rows = s.y_size() / s.co;
     for (int64_t b = 0; b < s.batch; ++b) {
-      Backward<decltype(nv)::value, decltype(ci)::value>(
+      float* pb = pooled->typed_data() + b * s.y_size();
+      Forward<NV, decltype(ci)::value>(s, x.typed_data() + b * s.x_size(),
+                                       kernel.typed_data() + b * s.k_size(), pb,
+                                       arg->typed_data() + b * s.y_size());
+      v8 mean[NV], inv[NV];
+      BatchStats<NV>(rows, pb, epsilon, mean, inv);
+      Normalize<NV>(rows, pb, mean, inv, scale.typed_data() + b * s.co,
+                    bias.typed_data() + b * s.co, y->typed_data() + b * s.y_size());
+      for (int v = 0; v < NV; ++v) {
+        Store(mean_out->typed_data() + b * s.co + 8 * v, mean[v]);
+        Store(inv_out->typed_data() + b * s.co + 8 * v, inv[v]);
+      }
+    }
+  });
+}
+
+ffi::Error NormBackwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
+                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> pooled,
+                            ffi::Buffer<ffi::S8> arg, ffi::Buffer<ffi::F32> mean_in,
+                            ffi::Buffer<ffi::F32> inv_in, ffi::Buffer<ffi::F32> dy,
+                            ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dkernel,
+                            ffi::ResultBuffer<ffi::F32> dscale,
+                            ffi::ResultBuffer<ffi::F32> dbias) {
+  Shape s;
+  if (auto e = GetShape(x, kernel, &s); e.failure()) return e;
+  if (auto e = CheckNormShapes(s, scale, scale); e.failure()) return e;
+  return Dispatch(s.ci, s.co, [&](auto nv, auto ci) {
+    constexpr int NV = decltype(nv)::value;
+    const int64_t rows = s.y_size() / s.co;
+    std::vector<float> d_pooled(s.y_size());
+    for (int64_t b = 0; b < s.batch; ++b) {
+      v8 mean[NV], inv[NV];
+      for (int v = 0; v < NV; ++v) {
+        mean[v] = Load(mean_in.typed_data() + b * s.co + 8 * v);
+        inv[v] = Load(inv_in.typed_data() + b * s.co + 8 * v);
+      }
+      NormalizeBackward<NV>(rows, pooled.typed_data() + b * s.y_size(), mean, inv,
+                            scale.typed_data() + b * s.co, dy.typed_data() + b * s.y_size(),
+                            d_pooled.data(), dscale->typed_data() + b * s.co,
+                            dbias->typed_data() + b * s.co);
+      Backward<NV, decltype(ci)::value>(
           s, x.typed_data() + b * s.x_size(), kernel.typed_data() + b * s.k_size(),
-          arg.typed_data() + b * s.y_size(), dy.typed_data() + b * s.y_size(),
+          arg.typed_data() + b * s.y_size(), d_pooled.data(),
           dx->typed_data() + b * s.x_size(), dkernel->typed_data() + b * s.k_size());
     }
   });
 }
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockForward, ForwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S8>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockNormForward, NormForwardImpl,
                               ffi::Ffi::Bind()
@@ -394,11 +475,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockNormForward, NormForwardImpl,
                                   .Attr<float>("epsilon")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockBackward, BackwardImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockNormTrainForward, NormTrainForwardImpl,
                               ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("epsilon")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockNormBackward, NormBackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,8 +1,8 @@
 """C++ kernels for XLA:CPU: the generated CNN's conv block and the encoder's forward pass.
 
-- `conv_relu_pool` (`conv_impl='fused_cpu'`, `fused_cpu.cc`): conv -> ReLU ->
-  2x2 max-pool as one call each way, forward and backward; and, forward only,
-  `conv_relu_pool_norm`, the block's BatchNorm too.
+- `conv_relu_pool_norm` (`conv_impl='fused_cpu'`, `fused_cpu.cc`): the
+  generated CNN's block, conv -> ReLU -> 2x2 max-pool -> BatchNorm, as one
+  call each way, forward and backward.
 - `encoder_forward` (`encoder_impl='fused_cpu'`, `fused_cpu_encoder.cc`): a
   whole `transformer.Encoder` stack's forward pass as one call, on the calling
   thread and one helper from XLA's pool (`fused_cpu_threads.h`). It has no
@@ -45,9 +45,9 @@ _SOURCES = tuple(pathlib.Path(__file__).with_name(name)
                  for name in ('fused_cpu.cc', 'fused_cpu_encoder.cc'))
 _HEADERS = (pathlib.Path(__file__).with_name('fused_cpu_threads.h'),)
 _TARGETS = {  # XLA custom-call target: the library's handler symbol.
-    'cht_conv_block_forward': 'ChtConvBlockForward',
-    'cht_conv_block_backward': 'ChtConvBlockBackward',
     'cht_conv_block_norm_forward': 'ChtConvBlockNormForward',
+    'cht_conv_block_norm_train_forward': 'ChtConvBlockNormTrainForward',
+    'cht_conv_block_norm_backward': 'ChtConvBlockNormBackward',
     'cht_encoder_forward': 'ChtEncoderForward',
 }
 _COMPILER_FLAGS = ('-O3', '-march=native', '-std=c++17', '-shared', '-fPIC')
@@ -126,7 +126,6 @@ def build_error() -> str | None:
   return None
 
 
-
 def resolve(field: str, impl: str, fallback: str) -> str:
   """What config field `field` = `impl` stands for on this backend.
 
@@ -151,38 +150,11 @@ def resolve(field: str, impl: str, fallback: str) -> str:
       raise ValueError(f"{field}='fused_cpu': {build_error()}")
   return impl
 
+
 def _pooled_shapes(x: jax.Array, kernel: jax.Array):
   *lead, h, w, _ = x.shape
   shape = (*lead, h // 2, w // 2, kernel.shape[-1])
   return jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int8)
-
-
-def _forward_call(x, kernel):
-  # 'broadcast_all': a vmapped call gets leading batch dimensions on every
-  # operand, which the kernel loops over.
-  return jax.ffi.ffi_call('cht_conv_block_forward', _pooled_shapes(x, kernel),
-                          vmap_method='broadcast_all')(x, kernel)
-
-
-@jax.custom_vjp
-def _conv_relu_pool(x, kernel):
-  return _forward_call(x, kernel)[0]
-
-
-def _fwd(x, kernel):
-  pooled, winner = _forward_call(x, kernel)
-  return pooled, (x, kernel, winner)
-
-
-def _bwd(residuals, d_pooled):
-  x, kernel, winner = residuals
-  shapes = (jax.ShapeDtypeStruct(x.shape, jnp.float32),
-            jax.ShapeDtypeStruct(kernel.shape, jnp.float32))
-  return tuple(jax.ffi.ffi_call('cht_conv_block_backward', shapes, vmap_method='broadcast_all')(
-      x, kernel, winner, d_pooled))
-
-
-_conv_relu_pool.defvjp(_fwd, _bwd)
 
 
 def unsupported(x: jax.Array, kernel: jax.Array) -> str | None:
@@ -197,12 +169,48 @@ def unsupported(x: jax.Array, kernel: jax.Array) -> str | None:
   return None
 
 
-def conv_relu_pool(x: jax.Array, kernel: jax.Array) -> jax.Array:
-  """max_pool_2x2(relu(conv2d(x, kernel, stride 1, 'SAME'))), on the CPU.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _conv_relu_pool_norm(x, kernel, scale, bias, epsilon):
+  # Where nothing differentiates it: no winners or statistics kept.
+  call = jax.ffi.ffi_call('cht_conv_block_norm_forward', _pooled_shapes(x, kernel)[0],
+                          vmap_method='broadcast_all')
+  return call(x, kernel, scale, bias, epsilon=np.float32(epsilon))
+
+
+def _norm_fwd(x, kernel, scale, bias, epsilon):
+  pooled, winner = _pooled_shapes(x, kernel)
+  stats = jax.ShapeDtypeStruct(scale.shape, jnp.float32)  # mean and 1 / std, [C_out].
+  call = jax.ffi.ffi_call('cht_conv_block_norm_train_forward',
+                          (pooled, pooled, winner, stats, stats), vmap_method='broadcast_all')
+  y, pooled, winner, mean, inv = call(x, kernel, scale, bias, epsilon=np.float32(epsilon))
+  return y, (x, kernel, scale, pooled, winner, mean, inv)
+
+
+def _norm_bwd(epsilon, residuals, dy):
+  del epsilon
+  x, kernel, scale = residuals[:3]
+  shapes = tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, kernel, scale, scale))
+  return tuple(jax.ffi.ffi_call('cht_conv_block_norm_backward', shapes,
+                                vmap_method='broadcast_all')(*residuals, dy))
+
+
+_conv_relu_pool_norm.defvjp(_norm_fwd, _norm_bwd)
+
+
+def conv_relu_pool_norm(x: jax.Array, kernel: jax.Array, scale: jax.Array, bias: jax.Array,
+                        epsilon: float) -> jax.Array:
+  """The generated CNN's block on the CPU, one call each way.
+
+  conv2d(x, kernel, stride 1, 'SAME') -> ReLU -> 2x2 max-pool -> BatchNorm with
+  the statistics of the pooled output (`cnn.batch_stat_norm`). Where nothing
+  differentiates it, a lighter forward call keeps neither the pooling winners
+  nor the statistics.
 
   Args:
     x: [N, H, W, C_in] float32.
     kernel: [k, k, C_in, C_out] float32, k odd, C_out in (8, 16, 32, 64).
+    scale, bias: [C_out] float32.
+    epsilon: added to the variance.
 
   Returns:
     [N, H // 2, W // 2, C_out].
@@ -214,33 +222,7 @@ def conv_relu_pool(x: jax.Array, kernel: jax.Array) -> jax.Array:
   if reason:
     raise ValueError(f"model.conv_impl='fused_cpu': {reason}; use auto or patches.")
   load()
-  return _conv_relu_pool(x, kernel)
-
-
-
-def conv_relu_pool_norm(x: jax.Array, kernel: jax.Array, scale: jax.Array, bias: jax.Array,
-                        epsilon: float) -> jax.Array:
-  """`conv_relu_pool`, then BatchNorm with the statistics of its output, in one call.
-
-  Forward only (no gradient of its own): `cnn.conv_block` uses it where
-  nothing differentiates the block.
-
-  Args:
-    x, kernel: as `conv_relu_pool`'s.
-    scale, bias: [C_out] float32.
-    epsilon: added to the variance.
-
-  Returns:
-    [N, H // 2, W // 2, C_out], `cnn.batch_stat_norm(conv_relu_pool(x, kernel),
-    scale, bias)` up to float rounding.
-  """
-  reason = unsupported(x, kernel)
-  if reason:
-    raise ValueError(f"model.conv_impl='fused_cpu': {reason}; use auto or patches.")
-  load()
-  call = jax.ffi.ffi_call('cht_conv_block_norm_forward', _pooled_shapes(x, kernel)[0],
-                          vmap_method='broadcast_all')
-  return call(x, kernel, scale, bias, epsilon=np.float32(epsilon))
+  return _conv_relu_pool_norm(x, kernel, scale, bias, epsilon)
 
 
 ENCODER_ACTIVATIONS = ('relu', 'gelu', 'leaky_relu')  # The kernel's activation codes.
