@@ -36,6 +36,7 @@ from absl import logging
 from etils import epath
 import flax
 import jax
+from jax import flatten_util
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -169,7 +170,11 @@ def batch_grads(loss_fn, params, episodes, mesh: jax.sharding.Mesh, vectorize: b
                            jax.eval_shape(grad_fn, params, first))
       total, _ = jax.lax.scan(accumulate, zeros, row)
       grads, metrics = jax.tree.map(lambda x: x / size, total)
-    return jax.lax.pmean((grads, metrics), 'data')
+    # One all-reduce of one vector: of a pytree, XLA makes several, which may
+    # run at once, and two collectives in flight can hang XLA:CPU (each holds
+    # one of the pool's threads while it waits for the other devices).
+    flat, unravel = flatten_util.ravel_pytree((grads, metrics))
+    return unravel(jax.lax.pmean(flat, 'data'))
 
   return jax.shard_map(device_grads, mesh=mesh, in_specs=(jax.P(), jax.P('data')),
                        out_specs=jax.P(), check_vma=False)(params, episodes)
@@ -205,6 +210,12 @@ def make_train_step(config, ht, optimizer, mesh, domain_sizes=(), host=False):
     else:
       episodes = episodes_lib.sample_episodes(
           key, class_images, spec, config.train.episodes_per_step, rotate=config.data.rotate)
+      # Sampled whole on every device (a few ms per step), then split: with the
+      # batch's sharding propagated into it, XLA gathered the sampler's scores
+      # around its top-k, and two all-gathers in flight at once can hang
+      # XLA:CPU (each blocks one of the pool's threads, here 2, that the other
+      # device needs to reach them).
+      episodes = jax.lax.with_sharding_constraint(episodes, jax.NamedSharding(mesh, jax.P()))
     episodes = augment_lib.augment_episodes(jax.random.fold_in(key, 1), episodes, augment_spec)
     episodes = jax.lax.with_sharding_constraint(episodes, batch_sharding)
     grads, metrics = batch_grads(loss_fn, state.params, episodes, mesh, vectorize)

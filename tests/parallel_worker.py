@@ -15,6 +15,8 @@ from cht_jax import models
 from cht_jax import train
 from configs import omniglot_t2
 
+COLLECTIVES = ('all-reduce', 'all-gather', 'all-to-all', 'reduce-scatter', 'collective-permute')
+
 
 def one_step(config, devices, images):
   mesh = jax.sharding.Mesh(np.array(devices), ('data',),
@@ -26,8 +28,11 @@ def one_step(config, devices, images):
   state = train.init_state(config, ht, optimizer, jax.random.key(0), (size, size, 1))
   state = jax.device_put(state, replicated)
   step = train.make_train_step(config, ht, optimizer, mesh)
-  new_state, metrics = step(state, jax.device_put(images, replicated), jax.random.key(7))
-  return jax.device_get(new_state.params), jax.device_get(metrics)
+  images = jax.device_put(images, replicated)
+  hlo = step.lower(state, images, jax.random.key(7)).compile().as_text()
+  collectives = {op: hlo.count(f' {op}(') for op in COLLECTIVES}
+  new_state, metrics = step(state, images, jax.random.key(7))
+  return jax.device_get(new_state.params), jax.device_get(metrics), collectives
 
 
 def main():
@@ -39,12 +44,13 @@ def main():
   config.optim.name = 'sgd'  # Adam's first step is sign(g) * lr: it would amplify float noise.
   config.optim.learning_rate = 0.01
   images = np.random.default_rng(0).integers(0, 256, (12, 20, 16, 16, 1), dtype=np.uint8)
-  params_n, metrics_n = one_step(config, jax.devices(), images)
-  params_1, metrics_1 = one_step(config, jax.devices()[:1], images)
+  params_n, metrics_n, collectives = one_step(config, jax.devices(), images)
+  params_1, metrics_1, _ = one_step(config, jax.devices()[:1], images)
   diff = lambda a, b: max(float(np.max(np.abs(x - y)))
                           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
   print(json.dumps({
       'devices': jax.device_count(),
+      'collectives': collectives,
       'loss': [float(metrics_n['loss']), float(metrics_1['loss'])],
       'grad_norm': [float(metrics_n['grad_norm']), float(metrics_1['grad_norm'])],
       'max_param_diff': diff(params_n, params_1),

@@ -21,6 +21,9 @@ def test_sharded_step_equals_single_device(num_devices, vectorize):
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert report['devices'] == num_devices
+  # One collective per step: two in flight at once can hang XLA:CPU (train.py).
+  assert report['collectives'] == {'all-reduce': 1, 'all-gather': 0, 'all-to-all': 0,
+                                   'reduce-scatter': 0, 'collective-permute': 0}
   np.testing.assert_allclose(*report['loss'], rtol=1e-5)
   np.testing.assert_allclose(*report['grad_norm'], rtol=1e-4)
   # The step changed the parameters, identically on N devices and on one.
