@@ -378,6 +378,25 @@ ffi::Error CheckNormShapes(const Shape& s, const ffi::Buffer<ffi::F32>& scale,
   return ffi::Error::Success();
 }
 
+// One batch element's block and norm: pooled = the block's output, y = its
+// norm. Forward only, arg, mean_out and inv_out are null and pooled is y
+// (normalised in place); for training they keep what the backward pass needs.
+template <int NV, int CI>
+void BlockNormForward(const Shape& s, const float* x, const float* kernel, const float* scale,
+                      const float* bias, float epsilon, float* pooled, float* y, int8_t* arg,
+                      float* mean_out, float* inv_out) {
+  Forward<NV, CI>(s, x, kernel, pooled, arg);
+  const int64_t rows = s.y_size() / s.co;
+  v8 mean[NV], inv[NV];
+  BatchStats<NV>(rows, pooled, epsilon, mean, inv);
+  Normalize<NV>(rows, pooled, mean, inv, scale, bias, y);
+  if (mean_out == nullptr) return;
+  for (int v = 0; v < NV; ++v) {
+    Store(mean_out + 8 * v, mean[v]);
+    Store(inv_out + 8 * v, inv[v]);
+  }
+}
+
 // Forward only (no winners, no statistics kept): the block and its norm.
 ffi::Error NormForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
@@ -386,16 +405,12 @@ ffi::Error NormForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel
   if (auto e = GetShape(x, kernel, &s); e.failure()) return e;
   if (auto e = CheckNormShapes(s, scale, bias); e.failure()) return e;
   return Dispatch(s.ci, s.co, [&](auto nv, auto ci) {
-    constexpr int NV = decltype(nv)::value;
-    const int64_t rows = s.y_size() / s.co;
     for (int64_t b = 0; b < s.batch; ++b) {
       float* yb = y->typed_data() + b * s.y_size();
-      Forward<NV, decltype(ci)::value>(s, x.typed_data() + b * s.x_size(),
-                                       kernel.typed_data() + b * s.k_size(), yb, nullptr);
-      v8 mean[NV], inv[NV];
-      BatchStats<NV>(rows, yb, epsilon, mean, inv);
-      Normalize<NV>(rows, yb, mean, inv, scale.typed_data() + b * s.co,
-                    bias.typed_data() + b * s.co, yb);
+      BlockNormForward<decltype(nv)::value, decltype(ci)::value>(
+          s, x.typed_data() + b * s.x_size(), kernel.typed_data() + b * s.k_size(),
+          scale.typed_data() + b * s.co, bias.typed_data() + b * s.co, epsilon, yb, yb,
+          nullptr, nullptr, nullptr);
     }
   });
 }
@@ -413,21 +428,13 @@ ffi::Error NormTrainForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> k
   if (auto e = GetShape(x, kernel, &s); e.failure()) return e;
   if (auto e = CheckNormShapes(s, scale, bias); e.failure()) return e;
   return Dispatch(s.ci, s.co, [&](auto nv, auto ci) {
-    constexpr int NV = decltype(nv)::value;
-    const int64_t rows = s.y_size() / s.co;
     for (int64_t b = 0; b < s.batch; ++b) {
-      float* pb = pooled->typed_data() + b * s.y_size();
-      Forward<NV, decltype(ci)::value>(s, x.typed_data() + b * s.x_size(),
-                                       kernel.typed_data() + b * s.k_size(), pb,
-                                       arg->typed_data() + b * s.y_size());
-      v8 mean[NV], inv[NV];
-      BatchStats<NV>(rows, pb, epsilon, mean, inv);
-      Normalize<NV>(rows, pb, mean, inv, scale.typed_data() + b * s.co,
-                    bias.typed_data() + b * s.co, y->typed_data() + b * s.y_size());
-      for (int v = 0; v < NV; ++v) {
-        Store(mean_out->typed_data() + b * s.co + 8 * v, mean[v]);
-        Store(inv_out->typed_data() + b * s.co + 8 * v, inv[v]);
-      }
+      BlockNormForward<decltype(nv)::value, decltype(ci)::value>(
+          s, x.typed_data() + b * s.x_size(), kernel.typed_data() + b * s.k_size(),
+          scale.typed_data() + b * s.co, bias.typed_data() + b * s.co, epsilon,
+          pooled->typed_data() + b * s.y_size(), y->typed_data() + b * s.y_size(),
+          arg->typed_data() + b * s.y_size(), mean_out->typed_data() + b * s.co,
+          inv_out->typed_data() + b * s.co);
     }
   });
 }
