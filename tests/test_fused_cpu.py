@@ -1,5 +1,6 @@
-"""The fused CPU conv block (`conv_impl='fused_cpu'`): the same numbers and gradients as
-patches, under jit, vmap and a whole training step; where it is chosen and where not."""
+"""The CPU kernel of the generated conv block (`conv_impl='fused_cpu'`): the numbers and
+gradients of its Python definition, `cnn.conv_block`, under jit, vmap and a whole training
+step; where it is chosen and where not; how its library is built."""
 
 import jax
 import jax.numpy as jnp
@@ -9,34 +10,44 @@ import pytest
 
 from cht_jax import continual
 from cht_jax import models
+from cht_jax.kernels import registry
+from cht_jax.kernels.cpu import library
 from cht_jax.models import cnn as cnn_lib
-from cht_jax.models import fused_cpu
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import ops
 from conftest import override, tiny_config
 
+pytestmark = pytest.mark.skipif(jax.default_backend() != 'cpu',
+                                reason='the fused_cpu kernels run on CPU hosts only')
 
-def reference_block(x, kernel, scale, bias):
-  conv = jax.nn.relu(ops.conv2d(x, kernel, impl='patches'))
-  return cnn_lib.batch_stat_norm(cnn_lib.max_pool_2x2(conv), scale, bias)
+MISMATCH = ("The CPU kernel no longer matches the Python definition of op 'conv_block' "
+            '(cht_jax/models/cnn.py:conv_block): change cht_jax/kernels/cpu/conv_block.cc '
+            'to the new math.')
 
 
-def fused_block(x, kernel, scale, bias):
-  return fused_cpu.conv_relu_pool_norm(x, kernel, scale, bias, cnn_lib.BATCH_NORM_EPSILON)
+def block_fn(impl):
+  """`cnn.conv_block`, the function the model calls, as a function of arrays."""
+  return lambda x, kernel, scale, bias: cnn_lib.conv_block(
+      x, {'kernel': kernel, 'scale': scale, 'bias': bias}, impl)
+
+
+fused_block = block_fn('fused_cpu')
+# The definition itself: the setting that no kernel stands in for.
+definition_block = block_fn(ops.CONV_IMPL.fallback)
 
 
 @pytest.mark.parametrize('lead, n, size, c_in, c_out, k', [
     ((), 20, 28, 1, 8, 3), ((), 20, 14, 8, 8, 3), ((), 5, 7, 8, 8, 3), ((), 6, 3, 8, 8, 3),
     ((), 2, 9, 3, 16, 3), ((), 2, 10, 5, 64, 5), ((), 3, 6, 16, 32, 1),
     ((3,), 5, 9, 3, 32, 3), ((2,), 4, 6, 8, 64, 3)])
-def test_block_forward_and_gradients_match_patches(lead, n, size, c_in, c_out, k):
+def test_block_forward_and_gradients_match_the_definition(lead, n, size, c_in, c_out, k):
   keys = jax.random.split(jax.random.key(size * c_in + c_out), 5)
   x = jax.random.normal(keys[0], (*lead, n, size, size, c_in))
   kernel = 0.5 * jax.random.normal(keys[1], (*lead, k, k, c_in, c_out))
   scale = jax.random.normal(keys[2], (*lead, c_out))
   bias = jax.random.normal(keys[3], (*lead, c_out))
   d_out = jax.random.normal(keys[4], (*lead, n, size // 2, size // 2, c_out))
-  fused, expected = fused_block, reference_block
+  fused, expected = fused_block, definition_block
   for _ in lead:  # One batched call (vmap's 'broadcast_all'), each episode its own statistics.
     fused, expected = jax.vmap(fused), jax.vmap(expected)
   forward_only = jax.jit(fused)(x, kernel, scale, bias)
@@ -45,8 +56,9 @@ def test_block_forward_and_gradients_match_patches(lead, n, size, c_in, c_out, k
   want = jax.vjp(expected, x, kernel, scale, bias)[1](d_out) + (expected(x, kernel, scale, bias),)
   for a, b in zip(got, want):
     assert a.shape == b.shape
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
-  np.testing.assert_allclose(forward_only, want[-1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()),
+                               err_msg=MISMATCH)
+  np.testing.assert_allclose(forward_only, want[-1], rtol=1e-5, atol=1e-5, err_msg=MISMATCH)
   # Normalised: each channel's mean is its bias (the statistics are the output's own).
   np.testing.assert_allclose(forward_only.mean(axis=(-4, -3, -2)), bias, atol=1e-4)
 
@@ -58,9 +70,10 @@ def test_block_under_vmap_with_shared_parameters():
   scale, bias = jnp.linspace(0.5, 2.0, 8), jnp.linspace(-1.0, 1.0, 8)
   loss = lambda fn: lambda *a: jnp.sum(jnp.sin(jax.vmap(fn, (0, None, None, None))(*a)))
   got = jax.jit(jax.value_and_grad(loss(fused_block), (0, 1, 2, 3)))(x, kernel, scale, bias)
-  want = jax.value_and_grad(loss(reference_block), (0, 1, 2, 3))(x, kernel, scale, bias)
+  want = jax.value_and_grad(loss(definition_block), (0, 1, 2, 3))(x, kernel, scale, bias)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()),
+                               err_msg=MISMATCH)
 
 
 def test_conv_block_keeps_residuals_only_where_differentiated():
@@ -75,7 +88,7 @@ def test_conv_block_keeps_residuals_only_where_differentiated():
   assert 'cht_conv_block_norm_backward' in differentiated
 
 
-def test_a_training_loss_and_its_gradient_match_patches(tiny_episode):
+def test_a_training_loss_and_its_gradient_match_the_definition(tiny_episode):
   """The whole CHT loss (generation through the fused blocks, T(T+1)/2 query passes)."""
   results = {}
   for impl in ('patches', 'fused_cpu'):
@@ -88,9 +101,9 @@ def test_a_training_loss_and_its_gradient_match_patches(tiny_episode):
     loss = lambda p: continual.episode_loss(ht, p, tiny_episode, remat=False)[0]
     results[impl] = jax.jit(jax.value_and_grad(loss))(params)
   (loss_p, grads_p), (loss_f, grads_f) = results['patches'], results['fused_cpu']
-  np.testing.assert_allclose(loss_f, loss_p, rtol=1e-5)
+  np.testing.assert_allclose(loss_f, loss_p, rtol=1e-5, err_msg=MISMATCH)
   difference = optax.tree.norm(jax.tree.map(jnp.subtract, grads_f, grads_p))
-  assert float(difference) < 1e-4 * float(optax.tree.norm(grads_p))
+  assert float(difference) < 1e-4 * float(optax.tree.norm(grads_p)), MISMATCH
 
 
 def test_auto_picks_the_kernel_on_cpu_except_for_second_order():
@@ -117,18 +130,18 @@ def test_auto_falls_back_where_the_kernel_does_not_fit():
 def test_a_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
   monkeypatch.setenv('CHT_JAX_KERNEL_CACHE', str(tmp_path))
   monkeypatch.setenv('CXX', str(tmp_path / 'no-such-compiler'))
-  with pytest.raises(fused_cpu.KernelBuildError, match='conv_impl=patches'):
-    fused_cpu._compile()  # pylint: disable=protected-access
+  with pytest.raises(library.KernelBuildError, match='conv_impl=patches'):
+    library.build()
   assert not list(tmp_path.glob('*.so'))
 
 
 def test_the_build_is_cached(tmp_path, monkeypatch):
   monkeypatch.setenv('CHT_JAX_KERNEL_CACHE', str(tmp_path))
-  library = fused_cpu._compile()  # pylint: disable=protected-access
-  assert library.parent == tmp_path and library.exists()
-  modified = library.stat().st_mtime_ns
-  assert fused_cpu._compile() == library  # pylint: disable=protected-access
-  assert library.stat().st_mtime_ns == modified
+  built = library.build()
+  assert built.parent == tmp_path and built.exists()
+  modified = built.stat().st_mtime_ns
+  assert library.build() == built
+  assert built.stat().st_mtime_ns == modified
 
 
 def test_configs_default_to_auto_and_validation_names_the_field():
@@ -137,3 +150,9 @@ def test_configs_default_to_auto_and_validation_names_the_field():
   maml = override(tiny_config(**{'model.conv_impl': 'fused_cpu'}), {'method': 'maml'})
   with pytest.raises(config_validation.ConfigError, match='second derivative'):
     config_validation.validate(maml, num_devices=1)
+
+
+def test_every_cpu_kernel_is_checked_against_its_definition():
+  """Each registered operation has its tests here or in test_fused_cpu_encoder.py."""
+  assert registry.registered('fused_cpu') == {'conv_block', 'encoder'}, (
+      'A kernel registered for a new operation needs a test against its Python definition.')

@@ -1,22 +1,38 @@
-"""The fused CPU encoder (`model.encoder_impl='fused_cpu'`): the numbers of
-`transformer.Encoder`'s forward pass; under differentiation the XLA modules."""
+"""The CPU kernel of the encoder stack (`model.encoder_impl='fused_cpu'`): the numbers of
+its Python definition, `transformer.Encoder`, in forward passes; under differentiation
+the definition itself."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cht_jax.models import fused_cpu
+from cht_jax.kernels.cpu import encoder as encoder_kernel
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import transformer
 from conftest import tiny_config
 
+pytestmark = pytest.mark.skipif(jax.default_backend() != 'cpu',
+                                reason='the fused_cpu kernels run on CPU hosts only')
 
-def encoder_and_params(num_layers, length, width, activation='relu', **kwargs):
-  encoder = transformer.Encoder(num_layers=num_layers, num_heads=2, activation=activation,
-                                **kwargs)
+MISMATCH = ("The CPU kernel no longer matches the Python definition of op 'encoder' "
+            '(cht_jax/models/transformer.py:Encoder): change cht_jax/kernels/cpu/encoder.cc '
+            'to the new math.')
+# The model's settings of its encoders, defaults included.
+DEFAULTS = transformer.encoder_settings(ht_lib.HyperTransformer(num_ways=1))
+
+
+def encoder_and_params(num_layers, length, width, activation='relu', **fractions):
+  """The definition (`encoder_impl` the setting no kernel stands in for), its params, tokens."""
+  encoder = transformer.Encoder(**{**DEFAULTS, **fractions, 'num_layers': num_layers,
+                                   'num_heads': 2, 'activation': activation,
+                                   'encoder_impl': transformer.ENCODER_IMPL.fallback})
   tokens = jax.random.normal(jax.random.key(length * width), (length, width))
   return encoder, encoder.init(jax.random.key(0), tokens)['params'], tokens
+
+
+def apply(module):
+  return lambda params, tokens: module.apply({'params': params}, tokens)
 
 
 @pytest.mark.parametrize('num_layers, length, width, activation, fractions', [
@@ -26,45 +42,46 @@ def encoder_and_params(num_layers, length, width, activation='relu', **kwargs):
     (2, 33, 70, 'relu', {'query_key_fraction': 0.5, 'value_fraction': 0.75,
                          'inner_fraction': 2.0}),  # Unequal widths, odd sizes.
 ])
-def test_kernel_matches_the_encoder(num_layers, length, width, activation, fractions):
+def test_kernel_matches_the_definition(num_layers, length, width, activation, fractions):
   encoder, params, tokens = encoder_and_params(num_layers, length, width, activation,
                                                **fractions)
-  want = encoder.apply({'params': params}, tokens)
-  got = jax.jit(lambda p, x: fused_cpu.encoder_forward(p, x, 2, activation))(params, tokens)
+  fused = apply(encoder.clone(encoder_impl='fused_cpu'))
+  want = apply(encoder)(params, tokens)
+  got = jax.jit(fused)(params, tokens)
   assert got.shape == want.shape
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=MISMATCH)
   # Rows split over threads the same way every call: the same bits every time.
   for _ in range(3):
-    np.testing.assert_array_equal(fused_cpu.encoder_forward(params, tokens, 2, activation), got)
+    np.testing.assert_array_equal(fused(params, tokens), got)
 
 
 def test_kernel_under_vmap_shares_or_batches_the_parameters():
   encoder, params, _ = encoder_and_params(2, 28, 104)
+  fused = apply(encoder.clone(encoder_impl='fused_cpu'))
   tokens = jax.random.normal(jax.random.key(1), (3, 28, 104))
-  want = jax.vmap(lambda x: encoder.apply({'params': params}, x))(tokens)
-  shared = jax.jit(jax.vmap(lambda x: fused_cpu.encoder_forward(params, x, 2, 'relu')))
-  np.testing.assert_allclose(shared(tokens), want, rtol=1e-5, atol=1e-5)
+  want = jax.vmap(lambda x: apply(encoder)(params, x))(tokens)
+  shared = jax.jit(jax.vmap(lambda x: fused(params, x)))
+  np.testing.assert_allclose(shared(tokens), want, rtol=1e-5, atol=1e-5, err_msg=MISMATCH)
   batched_params = jax.tree.map(lambda p: jnp.stack([p, 2 * p, -p]), params)
-  want = jax.vmap(lambda p, x: encoder.apply({'params': p}, x))(batched_params, tokens)
-  got = jax.jit(jax.vmap(lambda p, x: fused_cpu.encoder_forward(p, x, 2, 'relu')))(
-      batched_params, tokens)
-  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)  # Doubled weights: larger.
+  want = jax.vmap(apply(encoder))(batched_params, tokens)
+  got = jax.jit(jax.vmap(fused))(batched_params, tokens)
+  # Doubled weights: larger.
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=MISMATCH)
 
 
 def test_encoder_impl_changes_forward_passes_only():
-  """Forward alone: the kernel; under differentiation: exactly the XLA modules."""
+  """Forward alone: the kernel; under differentiation: exactly the definition."""
   encoder, params, tokens = encoder_and_params(3, 28, 104)
-  fused = encoder.clone(impl='fused_cpu')
-  apply = lambda module: lambda p, x: module.apply({'params': p}, x)
+  fused = encoder.clone(encoder_impl='fused_cpu')
   np.testing.assert_array_equal(jax.jit(apply(fused))(params, tokens),
-                                fused_cpu.encoder_forward(params, tokens, 2, 'relu'))
+                                encoder_kernel.encoder_forward(params, tokens, 2, 'relu'))
   loss = lambda module: lambda p, x: jnp.sum(apply(module)(p, x) ** 2)
   got = jax.jit(jax.value_and_grad(loss(fused), (0, 1)))(params, tokens)
   want = jax.jit(jax.value_and_grad(loss(encoder), (0, 1)))(params, tokens)
   jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
-def test_generated_theta_matches_the_xla_encoders():
+def test_generated_theta_matches_the_definition():
   ht = ht_lib.HyperTransformer(num_ways=3, channels=(8, 8), encoder_impl='fused_cpu')
   images = jax.random.uniform(jax.random.key(0), (6, 16, 16, 1))
   labels = jnp.array([0, 1, 2, 0, 1, 2])
@@ -73,8 +90,9 @@ def test_generated_theta_matches_the_xla_encoders():
   generate = lambda module: jax.jit(lambda p: module.apply({'params': p}, images, labels,
                                                            theta_prev))
   got = generate(ht)(params)
-  want = generate(ht.clone(encoder_impl='xla'))(params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got, want)
+  want = generate(ht.clone(encoder_impl=transformer.ENCODER_IMPL.fallback))(params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5,
+                                                       err_msg=MISMATCH), got, want)
 
 
 def test_auto_and_validation():

@@ -1,5 +1,9 @@
 """The generated CNN and the HyperTransformer: shapes, widths, the weight layout."""
 
+import dataclasses
+import subprocess
+import sys
+
 import chex
 import flax.linen as nn
 import jax
@@ -7,10 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cht_jax import models
 from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import features as features_lib
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import ops
+from cht_jax.models import transformer
+from conftest import tiny_config
 
 
 @pytest.mark.parametrize('size, kernel_size, stride, padding', [
@@ -41,6 +48,8 @@ def test_forward_with_gradient_of_runs_fast_alone_and_reference_under_differenti
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.skipif(jax.default_backend() != 'cpu',
+                    reason="conv_impl='fused_cpu' runs on CPU hosts only")
 @pytest.mark.parametrize('stride, padding', [(2, 'SAME'), (1, 'VALID')])
 def test_fused_cpu_convs_run_lax_forward_and_the_patches_gradient(stride, padding):
   """The feature extractors' convs under conv_impl='fused_cpu' (CPU)."""
@@ -158,3 +167,33 @@ def test_generated_batchnorm_option(tiny_episode):
   theta = ht.apply({'params': params}, images, labels, theta_prev)
   assert theta['block_0']['scale'].shape == (4,)
   assert float(jnp.std(theta['block_0']['scale'])) > 0  # Differs per channel.
+
+
+def test_the_config_model_settings_reach_the_modules():
+  """Fields of config.model reach HyperTransformer by name, and its encoders theirs."""
+  config = tiny_config(**{'model.num_layers': 2, 'model.inner_fraction': 2.0,
+                          'model.activation': 'gelu', 'model.encoder_impl': 'xla'})
+  ht = models.build_hypertransformer(config)
+  assert ht.num_ways == config.episode.ways
+  assert ht.channels == (config.model.channels,) * config.model.num_blocks
+  training_only = set(config.model) - {field.name for field in dataclasses.fields(ht)}
+  assert training_only == {'num_blocks', 'remat', 'vectorize'}, (
+      'A new config.model field must be a field of HyperTransformer (or one of training).')
+  assert transformer.encoder_settings(ht) == {
+      'num_layers': 2, 'num_heads': config.model.num_heads,
+      'query_key_fraction': 1.0, 'value_fraction': 1.0, 'inner_fraction': 2.0,
+      'activation': 'gelu', 'encoder_impl': 'xla'}
+  images = jnp.zeros((6, 16, 16, 1))
+  theta_prev = ht_lib.zeros_theta(ht.cnn, images.shape[1:])
+  params = jax.eval_shape(ht.init, jax.random.key(0), images, jnp.zeros(6, jnp.int32),
+                          theta_prev)['params']
+  encoder = params['block_1_transformer']
+  assert set(encoder) == {'layer_0', 'layer_1'}
+  width = encoder['layer_0']['attention']['query']['kernel'].shape[0]
+  assert encoder['layer_0']['ffn_inner']['kernel'].shape == (width, 2 * width)
+
+
+def test_importing_the_models_imports_no_kernels():
+  """Backends are imported (and their libraries built) on first use only."""
+  code = 'import sys, cht_jax.models; assert "cht_jax.kernels.cpu" not in sys.modules'
+  subprocess.run([sys.executable, '-c', code], check=True)

@@ -1,27 +1,22 @@
 """Models: the generated CNN, its weight generator and their parts."""
 
+import dataclasses
+
 import ml_collections
 
 from cht_jax.models.hypertransformer import HyperTransformer
 
 
 def build_hypertransformer(config: ml_collections.ConfigDict) -> HyperTransformer:
-  """The weight generator (and, through `.cnn`, the CNN it fills) of a config."""
+  """The weight generator (and, through `.cnn`, the CNN it fills) of a config.
+
+  Every field of `config.model` that `HyperTransformer` has reaches it as it
+  is, except `channels`: one width there, repeated `num_blocks` times here.
+  `num_ways` comes from the episode. The other fields of `config.model`
+  (`num_blocks`, `remat`, `vectorize`) configure training, not the module.
+  """
   model = config.model
-  return HyperTransformer(
-      num_ways=config.episode.ways,
-      channels=(model.channels,) * model.num_blocks,
-      cnn_embedding_dim=model.cnn_embedding_dim,
-      conv_impl=model.conv_impl,
-      embedding_dim=model.embedding_dim,
-      image_features=model.image_features,
-      activation_features=model.activation_features,
-      num_layers=model.num_layers,
-      num_heads=model.num_heads,
-      query_key_fraction=model.query_key_fraction,
-      value_fraction=model.value_fraction,
-      inner_fraction=model.inner_fraction,
-      activation=model.activation,
-      encoder_impl=model.encoder_impl,
-      generate_bn=model.generate_bn,
-  )
+  fields = {field.name for field in dataclasses.fields(HyperTransformer)}
+  settings = {name: value for name, value in model.items() if name in fields}
+  settings['channels'] = (model.channels,) * model.num_blocks
+  return HyperTransformer(num_ways=config.episode.ways, **settings)

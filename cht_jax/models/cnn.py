@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from cht_jax.models import fused_cpu
+from cht_jax.kernels import registry
 from cht_jax.models import ops
 
 # TF's BatchNormalization default, as used by the original HT code.
@@ -53,20 +53,16 @@ def batch_stat_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Arra
   return (x - mean) * jax.lax.rsqrt(var + BATCH_NORM_EPSILON) * scale + bias
 
 
+@registry.overridable('conv_block', ops.CONV_IMPL, setting='conv_impl')
 def conv_block(x: jax.Array, block: dict, conv_impl: str) -> jax.Array:
   """conv -> ReLU -> max-pool -> BatchNorm: [N, H, W, C_in] -> [N, H//2, W//2, C_out].
 
   `block` holds 'kernel' [k, k, C_in, C_out], 'scale' and 'bias' [C_out].
-  With `conv_impl` 'fused_cpu', or 'auto' on CPU where the kernel takes these
-  shapes, the whole block is one C++ call each way (`fused_cpu`).
+  Where `conv_impl` is 'fused_cpu', or 'auto' on CPU and the kernel takes these
+  shapes, the backend's kernel for 'conv_block' runs instead (one C++ call each
+  way, `cht_jax.kernels.cpu`) and this is what it must equal.
   """
-  kernel = block['kernel']
-  impl = ops.resolve_conv_impl(conv_impl)
-  if impl == 'fused_cpu' and (conv_impl == 'fused_cpu' or not fused_cpu.unsupported(x, kernel)):
-    return fused_cpu.conv_relu_pool_norm(x, kernel, block['scale'], block['bias'],
-                                         BATCH_NORM_EPSILON)
-  impl = 'patches' if impl == 'fused_cpu' else impl  # 'auto' where the kernel does not fit.
-  x = max_pool_2x2(jax.nn.relu(ops.conv2d(x, kernel, impl=impl)))
+  x = max_pool_2x2(jax.nn.relu(ops.conv2d(x, block['kernel'], impl=conv_impl)))
   return batch_stat_norm(x, block['scale'], block['bias'])
 
 

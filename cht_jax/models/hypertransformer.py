@@ -64,6 +64,11 @@ def slices_to_head(rows: jax.Array) -> dict:
 class HyperTransformer(nn.Module):
   """Generates the weights of `cnn_lib.CNN` for one task.
 
+  Its fields are the model's settings, with their defaults (the paper's
+  Omniglot model); `models.build_hypertransformer` sets them from the
+  config's fields of the same names, and each layer's transformer takes those
+  that are `transformer.Encoder`'s.
+
   Attributes:
     num_ways: K, classes per task (K + 1 label embeddings, the last unlabeled).
     channels, cnn_embedding_dim, kernel_size, conv_impl: the generated CNN.
@@ -119,12 +124,8 @@ class HyperTransformer(nn.Module):
     weight_tokens = pad(jnp.concatenate([weight_embedding, prev_slices], axis=-1))
     support_tokens = pad(jnp.concatenate([label_embedding[labels], sample_features], axis=-1))
     tokens = jnp.concatenate([weight_tokens, support_tokens], axis=0)
-    outputs = transformer_lib.Encoder(
-        num_layers=self.num_layers, num_heads=self.num_heads,
-        query_key_fraction=self.query_key_fraction,
-        value_fraction=self.value_fraction, inner_fraction=self.inner_fraction,
-        activation=self.activation, impl=self.encoder_impl,
-        name=f'{name}_transformer')(tokens)
+    outputs = transformer_lib.Encoder(**transformer_lib.encoder_settings(self),
+                                      name=f'{name}_transformer')(tokens)
     return outputs[:num_tokens, emb:emb + block_size]
 
   @nn.compact

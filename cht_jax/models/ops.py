@@ -8,19 +8,22 @@ the k*k shifted (strided) copies of the input and running one matrix product
 turns forward and backward passes into batched matrix products instead.
 See docs/performance.md for the measurements.
 
-The generated CNN's conv -> ReLU -> max-pool blocks have a third form on CPU,
-`fused_cpu` (a C++ kernel, `fused_cpu`); `auto` picks it where it runs.
+`conv_impl` also chooses a backend for the generated CNN's blocks
+(`cnn.conv_block`): 'fused_cpu' runs them as C++ kernels on CPU
+(`cht_jax.kernels.cpu`); 'auto' picks it where it runs.
 """
 
 import functools
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from cht_jax.models import fused_cpu
+from cht_jax.kernels import registry
 
 CONV_IMPLS = ('auto', 'patches', 'lax', 'fused_cpu')
+CONV_IMPL = registry.Switch('model.conv_impl', CONV_IMPLS, fallback='patches')
+# Kept public here: conv2d's 'fused_cpu' form uses it, as forward-only kernels do.
+forward_with_gradient_of = registry.forward_with_gradient_of
 
 
 def resolve_conv_impl(impl: str, second_order: bool = False) -> str:
@@ -32,14 +35,12 @@ def resolve_conv_impl(impl: str, second_order: bool = False) -> str:
   Raises:
     ValueError: 'fused_cpu' asked for where it cannot run.
   """
-  if impl not in CONV_IMPLS:
-    raise ValueError(f'Unknown conv_impl {impl!r}; expected one of {CONV_IMPLS}.')
   if second_order and impl == 'auto':
     return 'patches'
   if second_order and impl == 'fused_cpu' and jax.default_backend() == 'cpu':
     raise ValueError("model.conv_impl='fused_cpu' has no second derivative, which "
                      'second-order MAML needs; use auto or patches.')
-  return fused_cpu.resolve('model.conv_impl', impl, fallback='patches')
+  return CONV_IMPL.resolve(impl)
 
 
 def _padding(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:
@@ -49,22 +50,6 @@ def _padding(size: int, kernel: int, stride: int, padding: str) -> tuple[int, in
   out = -(-size // stride)
   total = max((out - 1) * stride + kernel - size, 0)
   return total // 2, total - total // 2
-
-
-def forward_with_gradient_of(fast: Callable, reference: Callable) -> Callable:
-  """`fast` where nothing differentiates it; `reference`'s value and VJP where something does.
-
-  For forward-only passes (generating theta to evaluate or deploy) that have a
-  faster form with no gradient of its own: training, which differentiates, runs
-  exactly `reference`, and forward-only calls get `fast`, equal up to float
-  rounding (tested). Both take and return arrays (close over the rest).
-  """
-  @jax.custom_vjp
-  def call(*args):
-    return fast(*args)
-
-  call.defvjp(lambda *args: jax.vjp(reference, *args), lambda vjp, grad: vjp(grad))
-  return call
 
 
 def conv2d(x: jax.Array, kernel: jax.Array, stride: int = 1, padding: str = 'SAME',

@@ -4,19 +4,20 @@ Post-LayerNorm: x = LN(x + MHA(x)); x = LN(x + FFN(x)), LN epsilon 1e-6.
 Biases on the q, k, v and output projections; softmax attention scaled by
 sqrt(per-head depth); no positional encoding (tokens form a set).
 
-On CPU a whole stack can also run as one C++ call (`impl='fused_cpu'`,
-`fused_cpu.encoder_forward`), where nothing differentiates it: generating
-theta to evaluate or deploy. Training differentiates it and runs these modules.
+`Encoder` is the operation 'encoder' of the kernel registry: on CPU a whole
+stack can run as one C++ call (`encoder_impl='fused_cpu'`,
+`cht_jax.kernels.cpu`) where nothing differentiates it, generating theta to
+evaluate or deploy. Training differentiates it and runs these modules.
 """
 
+import dataclasses
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from cht_jax.models import fused_cpu
-from cht_jax.models import ops
+from cht_jax.kernels import registry
 
 ACTIVATIONS = {
     'relu': jax.nn.relu,
@@ -25,6 +26,7 @@ ACTIVATIONS = {
 }
 LAYER_NORM_EPSILON = 1e-6
 ENCODER_IMPLS = ('auto', 'xla', 'fused_cpu')
+ENCODER_IMPL = registry.Switch('model.encoder_impl', ENCODER_IMPLS, fallback='xla')
 
 
 def resolve_encoder_impl(impl: str) -> str:
@@ -33,9 +35,7 @@ def resolve_encoder_impl(impl: str) -> str:
   Raises:
     ValueError: 'fused_cpu' asked for where it cannot run.
   """
-  if impl not in ENCODER_IMPLS:
-    raise ValueError(f'Unknown encoder_impl {impl!r}; expected one of {ENCODER_IMPLS}.')
-  return fused_cpu.resolve('model.encoder_impl', impl, fallback='xla')
+  return ENCODER_IMPL.resolve(impl)
 
 
 def width_from_fraction(model_width: int, fraction: float, num_heads: int) -> int:
@@ -86,27 +86,23 @@ class EncoderLayer(nn.Module):
 class Encoder(nn.Module):
   """A stack of post-LN encoder layers; widths given as fractions of E.
 
-  Input and output: [L, E] tokens of one task (vmap for batches). `impl`
-  ('auto', 'xla', 'fused_cpu'; `resolve_encoder_impl`) only changes how an
-  undifferentiated forward pass runs: under differentiation it is always these
-  modules (`ops.forward_with_gradient_of`).
+  Input and output: [L, E] tokens of one task (vmap for batches). The
+  HyperTransformer passes its settings of the same names (`encoder_settings`).
+  `encoder_impl` ('auto', 'xla', 'fused_cpu'; `resolve_encoder_impl`) only
+  changes how an undifferentiated forward pass runs: under differentiation it is
+  always these modules (the CPU kernel is forward-only).
   """
-  num_layers: int = 3
-  num_heads: int = 2
-  query_key_fraction: float = 1.0
-  value_fraction: float = 1.0
-  inner_fraction: float = 1.0
-  activation: str = 'relu'
-  impl: str = 'xla'
+  num_layers: int
+  num_heads: int
+  query_key_fraction: float
+  value_fraction: float
+  inner_fraction: float
+  activation: str
+  encoder_impl: str
 
+  @registry.overridable('encoder', ENCODER_IMPL, setting='encoder_impl')
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    if resolve_encoder_impl(self.impl) == 'fused_cpu' and not self.is_initializing():
-      reference = self.clone(parent=None, impl='xla')
-      fused = lambda params, x: fused_cpu.encoder_forward(
-          params, x, self.num_heads, self.activation)
-      apply = lambda params, x: reference.apply({'params': params}, x)
-      return ops.forward_with_gradient_of(fused, apply)(self.variables['params'], tokens)
     width = tokens.shape[-1]
     dims = {
         'query_key_dim': width_from_fraction(width, self.query_key_fraction, self.num_heads),
@@ -118,3 +114,9 @@ class Encoder(nn.Module):
       x = EncoderLayer(self.num_heads, activation=self.activation,
                        name=f'layer_{i}', **dims)(x)
     return x
+
+
+def encoder_settings(module: nn.Module) -> dict:
+  """`module`'s values of `Encoder`'s fields: what it builds its encoders with."""
+  return {field.name: getattr(module, field.name) for field in dataclasses.fields(Encoder)
+          if field.name not in ('parent', 'name')}

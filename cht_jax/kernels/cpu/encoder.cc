@@ -1,11 +1,11 @@
 // The HyperTransformer's encoder (transformer.Encoder), forward only, as one
 // XLA:CPU call per stack of layers (XLA FFI).
 //
-// Built with fused_cpu.cc by fused_cpu.py. Why: generating theta runs five
-// small encoders (28-40 tokens of width 80-104), ~22 XLA:CPU operations per
-// layer, most of them ~1 us of work behind a thread-pool hand-off. Here a whole
-// stack is one call, its rows split between the calling thread and a helper
-// (fused_cpu_threads.h). Forward only: training
+// Built with conv_block.cc by library.py; encoder.py calls it. Why:
+// generating theta runs five small encoders (28-40 tokens of width 80-104),
+// ~22 XLA:CPU operations per layer, most of them ~1 us of work behind a
+// thread-pool hand-off. Here a whole stack is one call, its rows split between
+// the calling thread and a helper (threads.h). Forward only: training
 // differentiates the encoder, and there it runs as XLA ops
 // (ops.forward_with_gradient_of).
 //
@@ -27,7 +27,7 @@
 #include <immintrin.h>
 #endif
 
-#include "fused_cpu_threads.h"
+#include "threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -267,7 +267,7 @@ struct Dims {
 };
 
 // One encoder stack on x [L, E], in place, as phases over row halves (see
-// fused_cpu_threads.h): per layer, (1) q, k, v of the rows; (2) those rows'
+// threads.h): per layer, (1) q, k, v of the rows; (2) those rows'
 // attention over all keys and values, and the rest of the layer, which is row
 // by row.
 class Stack {

@@ -7,8 +7,8 @@
 // result. The helper may start after RunPhases has returned: it then finds
 // nothing to claim, and the state it reads is kept alive by its own reference.
 
-#ifndef CHT_JAX_MODELS_FUSED_CPU_THREADS_H_
-#define CHT_JAX_MODELS_FUSED_CPU_THREADS_H_
+#ifndef CHT_JAX_KERNELS_CPU_THREADS_H_
+#define CHT_JAX_KERNELS_CPU_THREADS_H_
 
 #include <atomic>
 #include <functional>
@@ -60,4 +60,4 @@ inline void RunPhases(xla::ffi::ThreadPool& pool, bool use_helper, int num_phase
 
 }  // namespace cht_jax
 
-#endif  // CHT_JAX_MODELS_FUSED_CPU_THREADS_H_
+#endif  // CHT_JAX_KERNELS_CPU_THREADS_H_

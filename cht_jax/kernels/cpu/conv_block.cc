@@ -1,8 +1,8 @@
 // The generated CNN's block, conv -> ReLU -> 2x2 max-pool -> BatchNorm,
 // fused, for XLA:CPU (XLA FFI).
 //
-// Built on first use by fused_cpu.py (g++ -O3 -march=native), with
-// fused_cpu_encoder.cc into one library. Why: the
+// Built on first use by library.py (g++ -O3 -march=native), with encoder.cc
+// into one library; conv_block.py calls it. Why: the
 // generated CNN has 8 channels, so XLA:CPU spends a training step moving small
 // tensors (patch gathers, transposes, pooling, the norm and their gradients)
 // in ~2,500 separate operations per episode. Here one call does the forward

@@ -1,0 +1,91 @@
+"""The generated CNN's block, conv -> ReLU -> 2x2 max-pool -> BatchNorm, as one C++ call each way.
+
+`conv_block.cc` through the XLA FFI, forward and backward. It gives the numbers
+of `cnn.conv_block` up to float rounding, and its gradients except where two
+positive pre-activations of a pooling window tie (all the gradient goes to the
+first, where JAX's reduce-max splits it). It has a first derivative only:
+nothing in CHT's training differentiates twice, but second-order MAML cannot
+use it.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cht_jax.kernels.cpu import library
+
+
+def _pooled_shapes(x: jax.Array, kernel: jax.Array):
+  *lead, h, w, _ = x.shape
+  shape = (*lead, h // 2, w // 2, kernel.shape[-1])
+  return jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int8)
+
+
+def unsupported(x: jax.Array, kernel: jax.Array) -> str | None:
+  """Why the kernel cannot take these inputs, or None."""
+  if x.dtype != jnp.float32 or kernel.dtype != jnp.float32:
+    return f'it handles float32 only, got {x.dtype} and {kernel.dtype}'
+  k = kernel.shape[0]
+  if (x.ndim != 4 or kernel.ndim != 4 or kernel.shape[1] != k or k % 2 != 1
+      or kernel.shape[2] != x.shape[-1] or kernel.shape[3] not in (8, 16, 32, 64)):
+    return (f'it needs x [N, H, W, C_in] and an odd square kernel [k, k, C_in, C_out] '
+            f'with C_out in (8, 16, 32, 64), got {kernel.shape} for {x.shape}')
+  return None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _conv_relu_pool_norm(x, kernel, scale, bias, epsilon):
+  # Where nothing differentiates it: no winners or statistics kept.
+  call = jax.ffi.ffi_call('cht_conv_block_norm_forward', _pooled_shapes(x, kernel)[0],
+                          vmap_method='broadcast_all')
+  return call(x, kernel, scale, bias, epsilon=np.float32(epsilon))
+
+
+def _norm_fwd(x, kernel, scale, bias, epsilon):
+  pooled, winner = _pooled_shapes(x, kernel)
+  stats = jax.ShapeDtypeStruct(scale.shape, jnp.float32)  # mean and 1 / std, [C_out].
+  call = jax.ffi.ffi_call('cht_conv_block_norm_train_forward',
+                          (pooled, pooled, winner, stats, stats), vmap_method='broadcast_all')
+  y, pooled, winner, mean, inv = call(x, kernel, scale, bias, epsilon=np.float32(epsilon))
+  return y, (x, kernel, scale, pooled, winner, mean, inv)
+
+
+def _norm_bwd(epsilon, residuals, dy):
+  del epsilon
+  x, kernel, scale = residuals[:3]
+  shapes = tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, kernel, scale, scale))
+  return tuple(jax.ffi.ffi_call('cht_conv_block_norm_backward', shapes,
+                                vmap_method='broadcast_all')(*residuals, dy))
+
+
+_conv_relu_pool_norm.defvjp(_norm_fwd, _norm_bwd)
+
+
+def conv_relu_pool_norm(x: jax.Array, kernel: jax.Array, scale: jax.Array, bias: jax.Array,
+                        epsilon: float) -> jax.Array:
+  """The generated CNN's block on the CPU, one call each way.
+
+  conv2d(x, kernel, stride 1, 'SAME') -> ReLU -> 2x2 max-pool -> BatchNorm with
+  the statistics of the pooled output (`cnn.batch_stat_norm`). Where nothing
+  differentiates it, a lighter forward call keeps neither the pooling winners
+  nor the statistics.
+
+  Args:
+    x: [N, H, W, C_in] float32.
+    kernel: [k, k, C_in, C_out] float32, k odd, C_out in (8, 16, 32, 64).
+    scale, bias: [C_out] float32.
+    epsilon: added to the variance.
+
+  Returns:
+    [N, H // 2, W // 2, C_out].
+
+  Raises:
+    ValueError: for inputs the kernel does not handle.
+  """
+  reason = unsupported(x, kernel)
+  if reason:
+    raise ValueError(f"model.conv_impl='fused_cpu': {reason}; use auto or patches.")
+  library.load()
+  return _conv_relu_pool_norm(x, kernel, scale, bias, epsilon)
