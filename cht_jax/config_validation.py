@@ -3,7 +3,8 @@
 `validate(config)` checks each field against `SCHEMA` (type and range), rejects
 fields the schema does not know (typos), then the relations between fields:
 the classes an episode needs against the classes of the split (known from the
-split scheme alone, no data is read), the image size against the CNN depth,
+split scheme alone, no data is read; the rules are `episodes.spec_problems`,
+which the samplers apply to the data again), the image size against the CNN depth,
 the loss against the CNN head, the batch against the devices. All problems are
 reported at once in one `ConfigError`, each naming the field, its value and
 what would be valid.
@@ -27,10 +28,8 @@ from typing import Any, Callable, Sequence
 from absl import flags
 import ml_collections
 
-from cht_jax import baselines
 from cht_jax import continual
 from cht_jax import losses
-from cht_jax import methods
 from cht_jax.data import datasets
 from cht_jax.data import episodes
 from cht_jax.data import multidomain
@@ -39,6 +38,10 @@ from cht_jax.models import cnn
 from cht_jax.models import ops
 from cht_jax.models import transformer
 
+# `config.method`, what makes the CNN's weights: CHT, its baselines and the
+# Table 1 baselines trained by gradient descent. Defined here, below the
+# methods (cht_jax/methods/), whose registry has one class per name.
+METHODS = ('cht', 'constpn', 'merged_ht', 'finetune', 'ewc', 'maml')
 OPTIMIZERS = ('sgd', 'momentum', 'adam')
 ON_DIVERGENCE = ('stop', 'skip')
 
@@ -159,7 +162,7 @@ SCHEMA: dict[str, Check] = {
     'model.remat': _remat,
     'model.vectorize': _choice(continual.VECTORIZE_OPTIONS),
     'loss': _choice(losses.LOSSES),
-    'method': _choice(methods.METHODS + baselines.METHODS),
+    'method': _choice(METHODS),
     'constpn_ways_multiplier': _integer(1),
     'optim.name': _choice(OPTIMIZERS),
     'optim.learning_rate': _number(0),
@@ -228,95 +231,85 @@ def _field_problems(values: dict[str, Any]) -> list[str]:
 
 def _episode_problems(c: ml_collections.ConfigDict) -> list[str]:
   """Classes and images an episode needs against those of the splits."""
-  ep = c.episode
-  problems = _dataset_problems(c)
-  sizes, domain_sizes, images_per_class = _split_classes(c)
-  splits = ['train'] + (['validation'] if c.train.eval_every_steps else [])
-  if ep.task_classes == 'domain':
-    for split in splits if domain_sizes else []:
-      usable = [n for n in domain_sizes[split] if n >= ep.ways]
-      if len(usable) < ep.num_tasks:
-        problems.append(
-            f"episode.task_classes='domain' needs episode.num_tasks = {ep.num_tasks} "
-            f'domains with at least episode.ways = {ep.ways} classes in the {split!r} split, '
-            f'but data.domains={tuple(c.data.domains)} with data.domain_split='
-            f'{tuple(c.data.domain_split)} gives {domain_sizes[split]} classes: add '
-            'domains, or lower episode.num_tasks or episode.ways.')
-    sizes = {}
-  elif ep.task_classes == 'disjoint':
-    needed = ep.ways * ep.num_tasks
-    what = (f'episode.ways * episode.num_tasks = {ep.ways} * {ep.num_tasks} = {needed} '
-            "distinct classes per episode (episode.task_classes='disjoint')")
-  else:
-    needed, what = ep.ways, f'episode.ways = {ep.ways} classes per episode'
-  for split in splits if sizes else []:
-    # Validation during training runs as many of the T tasks as its classes
-    # allow (train.validation_tasks), so it needs one task's classes.
-    split_needed, split_what = ((needed, what) if split == 'train' else
-                                (ep.ways, f'episode.ways = {ep.ways} classes per task'))
-    if split_needed > sizes[split]:
-      fix = ('lower episode.ways or episode.num_tasks, or use '
-             "episode.task_classes='same'")
-      if split == 'validation':
-        fix += (', or set train.eval_every_steps=0 to skip validation during '
-                'training (evaluate on the test split afterwards)')
-      problems.append(
-          f'{split_what} but the {split!r} split of {_split_name(c)} has only '
-          f'{sizes[split]} classes: {fix}.')
-  per_class = ep.shots + ep.queries_per_class
-  what = (f'episode.shots + episode.queries_per_class = {ep.shots} + '
-          f'{ep.queries_per_class} = {per_class}')
-  if ep.task_classes == 'same':  # No image in two tasks (episodes.images_per_class_needed).
-    per_class *= ep.num_tasks
-    what = (f'episode.num_tasks * (episode.shots + episode.queries_per_class) = '
-            f'{ep.num_tasks} * ({ep.shots} + {ep.queries_per_class}) = {per_class} '
-            "(task_classes='same': no image in two tasks)")
-  if images_per_class and per_class > images_per_class[0]:
-    problems.append(f'{what} images per class, but {images_per_class[1]}.')
+  images_per_class, images = _images_per_class(c)
+  return (_dataset_problems(c) + _split_problems(c) + episodes.spec_problems(
+      datasets.episode_spec(c), images_per_class=images_per_class, images=images))
+
+
+def _split_problems(c: ml_collections.ConfigDict) -> list[str]:
+  """Classes (and domains) an episode needs against those of each split sampled."""
+  spec = datasets.episode_spec(c)
+  if spec.task_classes == 'domain' and c.data.dataset != 'multidomain':
+    return []  # No domains to check against (named by _dataset_problems).
+  problems = []
+  for split, (num_classes, domain_sizes) in _split_classes(c).items():
+    split_spec = spec._replace(domain_sizes=domain_sizes)
+    if split == 'validation' and spec.task_classes == 'disjoint':
+      # Validation runs as many of the T tasks as its classes allow
+      # (train.validation_tasks), so it needs one task's classes.
+      split_spec = split_spec._replace(num_tasks=1)
+    problems += episodes.spec_problems(
+        split_spec, num_classes, split=f'the {split!r} split of {_split_name(c)}',
+        remedy=_remedy(spec.task_classes, split))
   return problems
 
 
-def _split_classes(c: ml_collections.ConfigDict):
-  """(classes per split, domain sizes per split, (images per class, what)).
+def _remedy(task_classes: str, split: str) -> str:
+  """What to change when a split has too few classes or domains for an episode."""
+  if task_classes == 'domain':
+    remedy = 'add domains, or lower episode.num_tasks or episode.ways'
+  else:
+    remedy = "lower episode.ways or episode.num_tasks, or use episode.task_classes='same'"
+  if split == 'validation':
+    remedy += (', or set train.eval_every_steps=0 to skip validation during training '
+               '(evaluate on the test split afterwards)')
+  return remedy
 
-  Known from the config alone: Omniglot's split scheme, tieredImageNet's
-  351/97/160 (unknown with data.check_class_counts=False), the nominal class
-  counts of the multi-domain datasets (classes with fewer than
-  data.images_per_class images are dropped when loading, so the real counts
-  may be lower). Empty where unknown.
+
+def _split_classes(c: ml_collections.ConfigDict) -> dict[str, tuple[int, tuple[int, ...]]]:
+  """(classes, domain sizes) of the splits sampled in training; {} if unknown.
+
+  The training split, and the validation split unless train.eval_every_steps
+  is 0. Known from the config alone: Omniglot's split scheme,
+  tieredImageNet's 351/97/160 (unknown with data.check_class_counts=False),
+  the nominal class counts of the multi-domain datasets (classes with fewer
+  than data.images_per_class images are dropped when loading, so the real
+  counts may be lower; a domain without classes in a split is left out of it,
+  as multidomain.load_multidomain does).
   """
   data = c.data
+  splits = ('train', 'validation') if c.train.eval_every_steps else ('train',)
   if data.dataset == 'omniglot':
-    sizes = {s: len(ids) for s, ids in omniglot.class_split(
-        data.split_scheme, data.split_seed).items()}
-    n = omniglot.IMAGES_PER_CLASS
-    return sizes, {}, (n, f'Omniglot has {n} per class')
+    ids = omniglot.class_split(data.split_scheme, data.split_seed)
+    return {s: (len(ids[s]), ()) for s in splits}
   if data.dataset == 'tiered_imagenet':
     from cht_jax.data import tiered_imagenet  # pylint: disable=g-import-not-at-top
-    sizes = dict(tiered_imagenet.SPLIT_CLASSES) if data.check_class_counts else {}
-    # Validation (and, with the device pipeline, training) classes keep that many images.
-    return sizes, {}, (data.images_per_class, _kept(data.images_per_class))
-  per_domain = {s: [] for s in multidomain.SPLITS}
-  for name in data.domains:
-    counts = multidomain.split_sizes(multidomain.NUM_CLASSES[name], data.domain_split)
-    for split, n in zip(multidomain.SPLITS, counts):
-      per_domain[split].append(n)
-  sizes = {s: sum(n) for s, n in per_domain.items()}
-  return sizes, {s: tuple(n) for s, n in per_domain.items()}, (
-      data.images_per_class, _kept(data.images_per_class))
+    counts = tiered_imagenet.SPLIT_CLASSES
+    return {s: (counts[s], ()) for s in splits} if data.check_class_counts else {}
+  per_domain = zip(*(multidomain.split_sizes(multidomain.NUM_CLASSES[name], data.domain_split)
+                     for name in data.domains))
+  sizes = {s: tuple(n for n in counts if n) for s, counts in zip(multidomain.SPLITS, per_domain)}
+  return {s: (sum(sizes[s]), sizes[s]) for s in splits}
+
+
+def _images_per_class(c: ml_collections.ConfigDict) -> tuple[int, str]:
+  """(images of each class an episode can draw from, what the message says of them)."""
+  if c.data.dataset == 'omniglot':
+    n = omniglot.IMAGES_PER_CLASS
+    return n, f'Omniglot has {n} per class'
+  # Validation (and, with the device pipeline, training) classes keep that many images.
+  n = c.data.images_per_class
+  return n, (f'data.images_per_class = {n} images are kept per class (raise it, or lower '
+             'episode.queries_per_class)')
 
 
 def _split_name(c: ml_collections.ConfigDict) -> str:
   if c.data.dataset == 'omniglot':
     return f'data.split_scheme={c.data.split_scheme!r}'
   if c.data.dataset == 'multidomain':
-    return f'data.domains with data.domain_split={tuple(c.data.domain_split)}'
+    return (f'data.domains={tuple(c.data.domains)} with '
+            f'data.domain_split={tuple(c.data.domain_split)}')
   return 'tieredImageNet'
-
-
-def _kept(n: int) -> str:
-  return (f'data.images_per_class = {n} images are kept per class (raise it, or lower '
-          'episode.queries_per_class)')
 
 
 def _dataset_problems(c: ml_collections.ConfigDict) -> list[str]:
@@ -364,7 +357,7 @@ def _model_problems(c: ml_collections.ConfigDict, num_devices: int) -> list[str]
 
 
 def _method_problems(c: ml_collections.ConfigDict) -> list[str]:
-  """The baselines of `config.method` (cht_jax/methods.py)."""
+  """The baselines of `config.method` (cht_jax/methods/)."""
   problems = []
   if c.method != 'cht' and c.loss != 'class_incremental':
     problems.append(

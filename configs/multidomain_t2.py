@@ -12,15 +12,14 @@ augmentation. Variants (`--config=configs/multidomain_t2.py:tiny`):
 """
 
 from configs import tiered_imagenet_base
+from configs import variants
 from cht_jax.data import multidomain
 
 VARIANTS = ('', 'tiny')
 
 
 def get_config(variant=None):
-  variant = variant or ''
-  if variant not in VARIANTS:
-    raise ValueError(f'Unknown config variant {variant!r}; expected one of {VARIANTS}.')
+  variant = variants.check(variant, VARIANTS)
   config = tiered_imagenet_base.get_config(num_tasks=2)
   data = config.data
   data.dataset = 'multidomain'
@@ -39,21 +38,9 @@ def get_config(variant=None):
   config.model.channels = 16
   config.model.cnn_embedding_dim = 32
   if variant == 'tiny':
-    data.image_size = 16
+    variants.tiny(config, channels=4, num_steps=2, log_every_steps=1, checkpoint_every_steps=2)
     data.images_per_class = 4
     data.domain_split = (0.5, 0.25, 0.25)
     config.episode.ways = 2
     config.episode.queries_per_class = 2
-    config.model.channels = 4
-    config.model.cnn_embedding_dim = 6
-    config.model.embedding_dim = 8
-    config.model.image_features = 8
-    config.model.num_heads = 2
-    config.optim.name = 'adam'
-    config.optim.learning_rate = 1e-3
-    config.train.num_steps = 2
-    config.train.log_every_steps = 1
-    config.train.checkpoint_every_steps = 2
-    config.train.eval_every_steps = 2
-    config.train.eval_episodes = 2
   return config

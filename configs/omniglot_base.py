@@ -2,7 +2,8 @@
 
 Not a config file itself: `omniglot_t{1..5}.py` call `get_config` with their
 number of tasks and learning rate. Variants, chosen with the config file's
-argument (`--config=configs/omniglot_t5.py:smoke`):
+argument (`--config=configs/omniglot_t5.py:smoke`; shared settings in
+`variants.py`):
   (none)  the paper's settings: 20-way 1-shot, 8 channels, 20-dim embedding,
           3-layer 2-head transformers, embedding_dim 32, SGD with exponential
           decay, 4M steps.
@@ -14,14 +15,16 @@ argument (`--config=configs/omniglot_t5.py:smoke`):
 
 import ml_collections
 
-VARIANTS = ('', 'smoke', 'tiny')
+from configs import variants
+
+VARIANTS = variants.NAMES
+# Steps of the 'smoke' variant by number of tasks (300 from T = 5 on).
+SMOKE_STEPS = {1: 1500, 2: 800, 3: 500, 4: 400, 5: 300}
 
 
 def get_config(num_tasks: int, learning_rate: float, variant: str | None = None):
   """Builds the config of the Omniglot T=`num_tasks` experiment."""
-  variant = variant or ''
-  if variant not in VARIANTS:
-    raise ValueError(f'Unknown config variant {variant!r}; expected one of {VARIANTS}.')
+  variant = variants.check(variant, VARIANTS)
   config = ml_collections.ConfigDict()
   # One seed reaches every random choice: parameter init, episode sampling,
   # augmentation (the class split has its own, fixed by the protocol).
@@ -70,11 +73,11 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.model.activation = 'relu'
   config.model.generate_bn = False
   # 'auto': the generated CNN's blocks as one C++ call each way on CPU
-  # (models/fused_cpu.py), else 'patches'; 'lax' and 'fused_cpu' on demand.
+  # (cht_jax/kernels/cpu), else 'patches'; 'lax' and 'fused_cpu' on demand.
   # Same numbers up to float rounding (docs/performance.md).
   config.model.conv_impl = 'auto'
   # 'auto': forward-only passes of the transformers (generating theta for
-  # evaluation) as one C++ call per stack on CPU (models/fused_cpu.py), else
+  # evaluation) as one C++ call per stack on CPU (cht_jax/kernels/cpu), else
   # 'xla'; training always differentiates the XLA form.
   config.model.encoder_impl = 'auto'
   # Rematerialise each task's generation in the backward pass: 'auto' does where the
@@ -87,7 +90,7 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.model.vectorize = 'auto'
 
   config.loss = 'class_incremental'  # or 'task_incremental', 'cross_entropy'.
-  # What makes the CNN's weights (cht_jax/methods.py): 'cht', or the baselines
+  # What makes the CNN's weights (cht_jax/methods/): 'cht', or the baselines
   # 'constpn' (trained CNN, prototypical network) and 'merged_ht' (one HT over
   # the T tasks merged into one K*T-way task), or the Table 1 baselines trained
   # by gradient descent, 'finetune', 'ewc', 'maml' (cht_jax/baselines).
@@ -134,29 +137,12 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.baseline.maml_min_learning_rate = 1e-5
 
   if variant == 'smoke':
-    config.optim.name = 'adam'
-    config.optim.learning_rate = 1e-3
-    config.train.num_steps = {1: 1500, 2: 800, 3: 500, 4: 400, 5: 300}.get(num_tasks, 300)
-    config.train.log_every_steps = 25
-    config.train.checkpoint_every_steps = config.train.num_steps // 3
-    config.train.eval_every_steps = config.train.num_steps // 3
-    config.train.eval_episodes = 8
+    variants.smoke(config, num_steps=SMOKE_STEPS.get(num_tasks, 300))
   elif variant == 'tiny':
+    # 8 channels: the fused CPU kernel's narrowest width (conv_impl='auto').
+    variants.tiny(config, channels=8, num_steps=4, log_every_steps=2, checkpoint_every_steps=2)
     config.episode.ways = 3
     config.episode.queries_per_class = 2
-    config.model.channels = 8  # The fused CPU kernel's narrowest width (conv_impl='auto').
-    config.model.cnn_embedding_dim = 6
-    config.model.embedding_dim = 8
-    config.model.image_features = 8
-    config.model.num_layers = 1
-    config.data.image_size = 16
-    config.optim.name = 'adam'
-    config.optim.learning_rate = 1e-3
-    config.train.num_steps = 4
-    config.train.log_every_steps = 2
-    config.train.checkpoint_every_steps = 2
-    config.train.eval_every_steps = 4
-    config.train.eval_episodes = 2
   return config
 
 
@@ -174,8 +160,7 @@ def parse_arguments(arg: str | None, names: tuple[str, ...], defaults: tuple = (
   """
   parts = [p.strip() for p in (arg or '').split(',') if p.strip()]
   variant = parts.pop() if parts and not parts[-1].lstrip('-').isdigit() else ''
-  if variant not in VARIANTS:
-    raise ValueError(f'Unknown config variant {variant!r}; expected one of {VARIANTS}.')
+  variants.check(variant, VARIANTS)
   if len(parts) > len(names):
     raise ValueError(f'Expected at most {len(names)} numbers ({", ".join(names)}) then '
                      f'a variant, got {arg!r}.')

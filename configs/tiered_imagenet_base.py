@@ -15,15 +15,14 @@ on disk. Variants (`--config=configs/tiered_imagenet_t2.py:tiny`):
 """
 
 from configs import omniglot_base
+from configs import variants
 
 VARIANTS = ('', 'tiny')
 
 
 def get_config(num_tasks: int, learning_rate: float = 5e-6, variant: str | None = None):
   """Builds the config of the tieredImageNet T=`num_tasks` experiment."""
-  variant = variant or ''
-  if variant not in VARIANTS:
-    raise ValueError(f'Unknown config variant {variant!r}; expected one of {VARIANTS}.')
+  variant = variants.check(variant, VARIANTS)
   config = omniglot_base.get_config(num_tasks, learning_rate)
   data = config.data
   data.dataset = 'tiered_imagenet'
@@ -56,22 +55,10 @@ def get_config(num_tasks: int, learning_rate: float = 5e-6, variant: str | None 
 
   config.train.eval_episodes = 16
   if variant == 'tiny':
+    variants.tiny(config, channels=4, num_steps=3, log_every_steps=1, checkpoint_every_steps=3)
     data.check_class_counts = False
-    data.image_size = 16
     data.images_per_class = 4
     config.episode.ways = 2
     config.episode.shots = 1
     config.episode.queries_per_class = 2
-    model.channels = 4
-    model.cnn_embedding_dim = 6
-    model.embedding_dim = 8
-    model.image_features = 8
-    model.num_heads = 2
-    config.optim.name = 'adam'
-    config.optim.learning_rate = 1e-3
-    config.train.num_steps = 3
-    config.train.log_every_steps = 1
-    config.train.checkpoint_every_steps = 3
-    config.train.eval_every_steps = 3
-    config.train.eval_episodes = 2
   return config

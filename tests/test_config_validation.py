@@ -153,6 +153,16 @@ def test_a_config_file_that_failed_to_load():
                     ml_collections.ConfigDict)
 
 
+def test_validation_imports_nothing_above_it():
+  """methods and baselines import config_validation: importing them back would loop."""
+  above = ('cht_jax.methods', 'cht_jax.baselines', 'cht_jax.train', 'cht_jax.evaluate')
+  code = ('import sys, cht_jax.config_validation; '
+          f'print([m for m in {above} if m in sys.modules])')
+  result = subprocess.run([sys.executable, '-c', code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+  assert result.stdout.strip() == '[]', result.stdout + result.stderr[-2000:]
+
+
 def run_main(*args):
   command = [sys.executable, '-m', 'cht_jax.main', '--workdir=/nonexistent/never_created',
              *args]

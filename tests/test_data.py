@@ -159,7 +159,7 @@ def test_normalize_range():
 
 @pytest.mark.parametrize('spec, rotate, shape, match', [
     (episodes.EpisodeSpec(5, 20, 1, 3), False, (50, 20, 8, 8, 1),
-     r'episode.ways \* episode.num_tasks = 20 \* 5 = 100 classes.*only 50'),
+     r'episode.ways \* episode.num_tasks = 20 \* 5 = 100 distinct classes.*only 50'),
     (episodes.EpisodeSpec(5, 60, 1, 3, 'same'), False, (50, 20, 8, 8, 1),
      'episode.ways = 60'),
     (episodes.EpisodeSpec(1, 5, 5, 16), False, (50, 20, 8, 8, 1),
@@ -250,6 +250,28 @@ def test_load_omniglot_under_mock_data(tmp_path):
     assert out[split].shape[1:] == (2, 14, 14, 1)
     assert 0 < len(out[split]) <= len(omniglot.class_split()[split])
   assert not list(tmp_path.iterdir())  # Nothing prepared or cached.
+
+
+class _FailingBuilder:
+  """A TFDS builder whose preparation raises `error`."""
+
+  def __init__(self, error):
+    self.error = error
+
+  def download_and_prepare(self, **kwargs):
+    raise self.error
+
+
+def test_tfds_failures_become_one_paragraph():
+  error = OSError('No space left on device\n  Traceback ...\n  more lines')
+  with pytest.raises(omniglot.DataError) as e:
+    omniglot.download_and_prepare(_FailingBuilder(error), 'Could not prepare X in /d',
+                                  'Free some space.')
+  assert str(e.value) == ('Could not prepare X in /d (OSError: No space left on device). '
+                          'Free some space.')
+  ours = omniglot.DataError('Our own message.')  # Already says what to do.
+  with pytest.raises(omniglot.DataError, match='^Our own message.$'):
+    omniglot.download_and_prepare(_FailingBuilder(ours), 'Could not', 'Fix.')
 
 
 def test_missing_archive(tmp_path):

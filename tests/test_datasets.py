@@ -386,9 +386,9 @@ def test_host_pipeline_domain_indices():
 
 def test_host_pipeline_rejects_impossible_specs(train_source):
   source, index = train_source
-  with pytest.raises(ValueError, match='classes needed'):
+  with pytest.raises(ValueError, match='6 distinct classes per episode'):
     pipeline.episode_dataset(source, index, SPEC._replace(ways=3), 1, 0, 1, 84, 3)
-  with pytest.raises(ValueError, match='distinct images per class'):
+  with pytest.raises(ValueError, match='= 7 images per class, but'):
     pipeline.episode_dataset(source, index, SPEC._replace(queries_per_class=5), 1, 0, 1, 84, 3)
 
 
@@ -497,7 +497,7 @@ def test_training_steps_through_the_host_pipeline(tmp_path):
 
 
 def test_multidomain_config_to_domain_episodes_under_mock_data(tmp_path):
-  """train.load_dataset -> train.episode_spec with the domain sizes -> episodes.
+  """datasets.load_dataset -> datasets.episode_spec with the domain sizes -> episodes.
 
   (A full training step is the same compiled step as for any spec; one runs
   in the host-pipeline test above.)"""
@@ -506,10 +506,10 @@ def test_multidomain_config_to_domain_episodes_under_mock_data(tmp_path):
   config.data.domains = ('caltech101', 'cars196', 'stanford_dogs')
   config.data.data_dir = str(tmp_path)
   with tfds.testing.mock_data(as_dataset_fn=_fake_as_dataset, data_dir=str(tmp_path)):
-    dataset = train.load_dataset(config)
+    dataset = datasets.load_dataset(config)
   sizes = dataset['domain_sizes']['train']
   assert sizes == (6, 6, 6) and dataset['train'].shape == (18, 4, 16, 16, 3)
-  spec = train.episode_spec(config, sizes)
+  spec = datasets.episode_spec(config, sizes)
   batch = episodes.sample_episodes(jax.random.key(0), jnp.asarray(dataset['train']), spec, 4,
                                    False)
   assert batch['support_images'].shape == (4, 2, 2, 16, 16, 3)
@@ -527,7 +527,7 @@ def test_multidomain_evaluation_draws_one_domain_per_task(tmp_path):
   config.data.domains = ('caltech101', 'cars196', 'stanford_dogs')
   config.data.data_dir = str(tmp_path)
   method = methods.build(config)
-  params = method.init(jax.random.key(0), datasets.image_shape(config), config.episode.shots)
+  params = method.init(jax.random.key(0))
   protocol = evaluate.default_protocol(config, num_episodes=2, num_query_draws=1,
                                        queries_per_class=1, batch_size=2)
   with tfds.testing.mock_data(as_dataset_fn=_fake_as_dataset, data_dir=str(tmp_path)):
@@ -542,6 +542,9 @@ def test_multidomain_evaluation_draws_one_domain_per_task(tmp_path):
     ('multidomain_t2', {'data.domains': ('omniglot', 'imagenet')}, 'data.domains = '),
     ('multidomain_t2', {'data.domain_split': (0.5, 0.5, 0.5)}, 'adding up to 1'),
     ('multidomain_t2', {'data.domains': ('omniglot',)}, 'needs episode.num_tasks = 2 domains'),
+    # The sampler may draw any domain, so each needs episode.ways classes.
+    ('multidomain_t2', {'data.domain_split': (0.9, 0.04, 0.06)},
+     "domain 1 has only 4 classes in the 'validation' split of data.domains="),
     ('tiered_imagenet_t2', {'data.augment.crop_min_scale': 0.0}, 'must be a number in (0, 1]'),
     ('tiered_imagenet_t2', {'data.augment.hue': 0.6}, 'must be a number in [0, 0.5]'),
     ('tiered_imagenet_t2', {'data.images_per_class': 20}, '5 + 20 = 25 images per class, but '

@@ -5,6 +5,9 @@ class. Everything here is traceable: `sample_episodes` can run inside `jit`
 (with `spec`, `num_episodes` and `rotate` static), drawing from the class
 images of one split kept on device.
 
+`spec_problems` states what an episode needs of a split, once, for the
+samplers here, the host pipeline and config validation.
+
 Shapes: C classes in the split, M images per class, H x W x D images;
 T = spec.num_tasks, K = spec.ways, N = spec.shots, Q = spec.queries_per_class.
 Samples are class-major: index k * N + n of a task is shot n of label k.
@@ -54,59 +57,116 @@ def validate_spec(spec: EpisodeSpec, class_images_shape: tuple[int, ...],
     class_images_shape: (C, M, H, W, D).
     rotate: whether rotation augmentation is on (needs H == W).
   """
-  for field in ('num_tasks', 'ways', 'shots'):
-    if getattr(spec, field) < 1:
-      raise ValueError(f'episode.{field} must be >= 1, got '
-                       f'{getattr(spec, field)}.')
-  if spec.queries_per_class < 0:
-    raise ValueError('episode.queries_per_class must be >= 0, got '
-                     f'{spec.queries_per_class}.')
-  if spec.task_classes not in TASK_CLASSES:
-    raise ValueError(f'episode.task_classes must be one of {TASK_CLASSES}, '
-                     f'got {spec.task_classes!r}.')
   if len(class_images_shape) != 5:
     raise ValueError('class_images must be [classes, images, H, W, channels],'
                      f' got shape {tuple(class_images_shape)}.')
   num_classes, num_images, height, width, _ = class_images_shape
-  if spec.task_classes == 'disjoint':
-    needed = spec.ways * spec.num_tasks
-    if needed > num_classes:
-      raise ValueError(
-          f'episode.ways * episode.num_tasks = {spec.ways} * {spec.num_tasks} '
-          f'= {needed} classes needed (task_classes=disjoint) but the split '
-          f'has only {num_classes}.')
-  elif spec.task_classes == 'domain':
-    sizes = tuple(spec.domain_sizes)
-    if not sizes or min(sizes) < 1:
-      raise ValueError("task_classes='domain' needs domain_sizes, the positive"
-                       f' class count of each domain; got {sizes}.')
-    if sum(sizes) != num_classes:
-      raise ValueError(f'domain_sizes {sizes} add up to {sum(sizes)} classes '
-                       f'but the class images have {num_classes}.')
-    if spec.num_tasks > len(sizes):
-      raise ValueError(
-          f'episode.num_tasks = {spec.num_tasks} tasks from distinct domains '
-          f"(task_classes='domain') but there are only {len(sizes)} domains.")
-    if spec.ways > min(sizes):
-      raise ValueError(
-          f'episode.ways = {spec.ways} classes per task but domain '
-          f'{sizes.index(min(sizes))} has only {min(sizes)} in this split.')
-  elif spec.ways > num_classes:
-    raise ValueError(f'episode.ways = {spec.ways} classes needed but the split'
-                     f' has only {num_classes}.')
-  per_class = images_per_class_needed(spec)
-  if per_class > num_images:
-    what = (f'episode.shots + episode.queries_per_class = {spec.shots} + '
-            f'{spec.queries_per_class}')
-    if spec.task_classes == 'same':  # No image in two tasks.
-      what = (f'episode.num_tasks * (episode.shots + episode.queries_per_class) = '
-              f'{spec.num_tasks} tasks * ({spec.shots} + {spec.queries_per_class})')
-    raise ValueError(
-        f'{what} = {per_class} distinct images per class '
-        f'needed but the split has only {num_images} per class.')
+  found = spec_problems(spec, num_classes, num_images)
   if rotate and height != width:
-    raise ValueError(f'Rotation augmentation needs square images, got '
-                     f'{height}x{width}.')
+    found.append(f'Rotation augmentation needs square images, got {height}x{width}.')
+  if found:
+    raise ValueError(' '.join(found))
+
+
+def spec_problems(spec: EpisodeSpec, num_classes: int | None = None,
+                  images_per_class: int | None = None, split: str = 'the split',
+                  images: str | None = None, remedy: str = '') -> list[str]:
+  """What keeps episodes of `spec` from being drawn from a split; [] if nothing.
+
+  The one statement of these rules: `validate_spec` applies them to the class
+  images at hand, config validation to the class counts a config implies
+  before any data is read (cht_jax/config_validation.py), each with its own
+  remedy. Counts passed as None are not checked.
+
+  Args:
+    spec: the episode spec; for task_classes='domain' its domain_sizes are
+      the split's.
+    num_classes: C, the split's classes.
+    images_per_class: M, the images of each class.
+    split: the split's name in the messages, e.g. "the 'train' split of
+      data.split_scheme='ht'".
+    images: what the messages say there is instead of the images needed,
+      e.g. 'Omniglot has 20 per class'; default: `split` has only M.
+    remedy: what to do about the problems, ending each after a colon.
+
+  Returns:
+    One sentence per problem, naming the episode.* fields that need more.
+  """
+  found = _field_problems(spec)
+  if not found:  # The counts need valid fields.
+    if num_classes is not None:
+      found += (_domain_problems(spec, num_classes, split) if spec.task_classes == 'domain'
+                else _class_problems(spec, num_classes, split))
+    if images_per_class is not None:
+      found += _image_problems(spec, images or f'{split} has only {images_per_class}',
+                               images_per_class)
+  return [f'{problem}: {remedy}.' if remedy else f'{problem}.' for problem in found]
+
+
+def _field_problems(spec: EpisodeSpec) -> list[str]:
+  """Fields out of range (in a config, config_validation.SCHEMA rejects them first)."""
+  found = [f'episode.{field} must be >= 1, got {getattr(spec, field)}'
+           for field in ('num_tasks', 'ways', 'shots') if getattr(spec, field) < 1]
+  if spec.queries_per_class < 0:
+    found.append(f'episode.queries_per_class must be >= 0, got {spec.queries_per_class}')
+  if spec.task_classes not in TASK_CLASSES:
+    found.append(f'episode.task_classes must be one of {TASK_CLASSES}, '
+                 f'got {spec.task_classes!r}')
+  return found
+
+
+def _class_problems(spec: EpisodeSpec, num_classes: int, split: str) -> list[str]:
+  """'disjoint' needs K * T classes, 'same' K (_draw_classes)."""
+  if spec.task_classes == 'disjoint' and spec.num_tasks > 1:
+    needed = spec.ways * spec.num_tasks
+    what = (f'episode.ways * episode.num_tasks = {spec.ways} * {spec.num_tasks} = '
+            f"{needed} distinct classes per episode (episode.task_classes='disjoint')")
+  else:
+    needed, what = spec.ways, f'episode.ways = {spec.ways} classes per task'
+  if needed <= num_classes:
+    return []
+  return [f'{what} but {split} has only {num_classes} classes']
+
+
+def _domain_problems(spec: EpisodeSpec, num_classes: int, split: str) -> list[str]:
+  """'domain' needs T domains, each of at least K classes.
+
+  `_draw_domain_classes` draws T distinct domains, any of the split's, then K
+  classes in each.
+  """
+  sizes = tuple(spec.domain_sizes)
+  if sum(sizes) != num_classes or min(sizes, default=1) < 1:
+    return [f"episode.task_classes='domain' needs domain_sizes, the positive class count "
+            f'of each domain, adding up to the {num_classes} classes of {split}; got '
+            f'{sizes}, which add up to {sum(sizes)}']
+  found = []
+  if spec.num_tasks > len(sizes):
+    domains = f'{len(sizes)} domain' + ('' if len(sizes) == 1 else 's')
+    found.append(
+        f"episode.task_classes='domain' needs episode.num_tasks = {spec.num_tasks} "
+        f'domains but {split} has only {domains}' +
+        (f' (of {list(sizes)} classes)' if sizes else ''))
+  if sizes and spec.ways > min(sizes):
+    found.append(
+        f'episode.ways = {spec.ways} classes per task, each from one domain, but domain '
+        f'{sizes.index(min(sizes))} has only {min(sizes)} classes in {split} '
+        f'(of {list(sizes)})')
+  return found
+
+
+def _image_problems(spec: EpisodeSpec, images: str, images_per_class: int) -> list[str]:
+  """Each class gives images_per_class_needed(spec) distinct images."""
+  needed = images_per_class_needed(spec)
+  if needed <= images_per_class:
+    return []
+  what = (f'episode.shots + episode.queries_per_class = {spec.shots} + '
+          f'{spec.queries_per_class} = {needed} images per class')
+  if spec.task_classes == 'same':
+    what = (f'episode.num_tasks * (episode.shots + episode.queries_per_class) = '
+            f'{spec.num_tasks} tasks * ({spec.shots} + {spec.queries_per_class}) = {needed} '
+            "distinct images per class (episode.task_classes='same': no image in two "
+            'tasks)')
+  return [f'{what}, but {images}']
 
 
 def images_per_class_needed(spec: EpisodeSpec) -> int:

@@ -24,7 +24,6 @@ from absl import logging
 import numpy as np
 
 from cht_jax.data import omniglot
-from cht_jax.data.omniglot import DataError
 
 DOMAINS = ('omniglot', 'caltech101', 'caltech_birds2011', 'cars196',
            'oxford_flowers102', 'stanford_dogs')
@@ -63,16 +62,11 @@ def _prepare(name: str, data_dir: str | None, manual_dir: str | None):
     return tfds.builder(name, data_dir=data_dir)
   builder = tfds.builder(name, data_dir=data_dir)
   if not builder.is_prepared():
-    try:
-      builder.download_and_prepare()
-    except Exception as e:  # pylint: disable=broad-except
-      raise DataError(
-          f'Could not prepare the TFDS dataset {name!r} in '
-          f'{builder.data_dir_root} ({omniglot.error_summary(e)}). '
-          f'Prepare it once on a machine with internet access (python -c '
-          f'"import tensorflow_datasets as tfds; tfds.builder({name!r})'
-          '.download_and_prepare()") and copy its folder into that data_dir, '
-          'or leave it out of data.domains.') from None
+    omniglot.download_and_prepare(
+        builder, f'Could not prepare the TFDS dataset {name!r} in {builder.data_dir_root}',
+        'Prepare it once on a machine with internet access (python -c "import '
+        f'tensorflow_datasets as tfds; tfds.builder({name!r}).download_and_prepare()") '
+        'and copy its folder into that data_dir, or leave it out of data.domains.')
   return builder
 
 

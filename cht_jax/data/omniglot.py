@@ -18,6 +18,10 @@ are 0..963 and the 659 evaluation characters 964..1622. Within a set the
 numbering is the original release's, which is *not* the alphabetical order of
 the alphabet folders (e.g. `Alphabet_of_the_Magi` is 708..727). The loader
 checks this (background labels < 964 <= evaluation labels).
+
+The first of the data loaders, this module also holds what all of them share
+(multidomain.py, tiered_imagenet.py, pipeline.py): `DataError`, and
+`download_and_prepare`, their one way to have TFDS prepare a dataset.
 """
 
 from __future__ import annotations
@@ -134,6 +138,29 @@ def error_summary(error: Exception) -> str:
   """'TypeName: first line of the message' (at most 300 characters), for a DataError."""
   first_line = (str(error).strip().splitlines() or [''])[0][:300]
   return f'{type(error).__name__}: {first_line}'
+
+
+def download_and_prepare(builder, failure: str, fix: str, **kwargs) -> None:
+  """`builder.download_and_prepare(**kwargs)`, its failure a one-paragraph DataError.
+
+  The data modules' one way to have TFDS prepare a dataset. TFDS fails with
+  whatever its downloads, extraction or files raise, often pages long; the
+  run instead stops on `failure`, the error's first line and `fix`. A
+  DataError of our own builders already says what to do and passes as it is.
+
+  Args:
+    builder: the TFDS builder.
+    failure: what could not be done, e.g. "Could not prepare the TFDS dataset
+      'cars196' in /data".
+    fix: what to do about it, one or more sentences.
+    **kwargs: for `builder.download_and_prepare`.
+  """
+  try:
+    builder.download_and_prepare(**kwargs)
+  except DataError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise DataError(f'{failure} ({error_summary(e)}). {fix}') from None
 
 
 def _fix_hint(folder: str) -> str:
@@ -272,10 +299,12 @@ def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
     extract_dir = tempfile.mkdtemp(
         prefix='cht_jax_extract_', dir=os.path.join(root, 'downloads'))
     try:
-      offline.download_and_prepare(
+      download_and_prepare(
+          offline, f'Could not prepare Omniglot from the archives in {folder} into {root}',
+          'The archives passed their checksums: check the free space and write access of that '
+          'folder.',
           download_config=tfds.download.DownloadConfig(
-              manual_dir=folder, extract_dir=extract_dir,
-              try_download_gcs=False))
+              manual_dir=folder, extract_dir=extract_dir, try_download_gcs=False))
     finally:
       shutil.rmtree(extract_dir, ignore_errors=True)
   else:
@@ -291,13 +320,8 @@ def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
       raise DataError(
           f'No Omniglot archives in {" or ".join(folders)}, and no network to '
           f'download them ({offline}). ' + _fix_hint(folder))
-    try:
-      builder.download_and_prepare()
-    except Exception as e:  # pylint: disable=broad-except
-      raise DataError(
-          f'Could not download Omniglot with TFDS into {root} '
-          f'({error_summary(e)}). On a machine without '
-          f'internet access: ' + _fix_hint(folder)) from None
+    download_and_prepare(builder, f'Could not download Omniglot with TFDS into {root}',
+                         'On a machine without internet access: ' + _fix_hint(folder))
   logging.info('Omniglot prepared in %s in %.1f s.', builder.data_dir,
                time.time() - start)
 

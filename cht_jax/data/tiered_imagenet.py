@@ -36,6 +36,7 @@ from typing import Iterator
 from absl import logging
 import numpy as np
 
+from cht_jax.data import omniglot
 from cht_jax.data.omniglot import DataError
 
 NAME = 'tiered_imagenet_cht'
@@ -263,6 +264,8 @@ def prepare(data_dir: str | None, manual_dir: str | None,
       os.fspath(builder.data_dir_root), 'downloads', 'manual', 'tiered_imagenet')
   layout = detect_layout(folder)  # Clear message before TFDS starts.
   check_class_counts(folder, layout, expected_classes)
-  builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-      manual_dir=folder, try_download_gcs=False))
+  omniglot.download_and_prepare(
+      builder, f'Could not prepare tieredImageNet from {folder} into {builder.data_dir_root}',
+      'A file there may be corrupt or unreadable. ' + _fix_hint(folder),
+      download_config=tfds.download.DownloadConfig(manual_dir=folder, try_download_gcs=False))
   return builder

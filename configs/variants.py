@@ -1,0 +1,62 @@
+"""The 'smoke' and 'tiny' variants of the experiment configs.
+
+Not a config file itself. A config file's argument may end in a variant
+(`--config=configs/omniglot_t2.py:tiny`); the experiment's base config
+(`omniglot_base`, `tiered_imagenet_base`, `multidomain_t2`) builds the
+full-size config, then applies the variant with the function here, passing
+what differs per dataset (model width, run length) and setting its episode
+sizes itself. What every dataset's variant shares is written once here:
+  smoke  minutes on CPU with the real data and the full model: Adam 1e-3 (the
+         paper's SGD diverges or crawls from the large initial distances; see
+         README), checkpoints and validation every third of the run, 8
+         validation episodes.
+  tiny   seconds, for tests and debugging: a very small model on 16x16 images,
+         Adam 1e-3, a handful of steps, validation once at the end on 2
+         episodes.
+"""
+
+import ml_collections
+
+NAMES = ('', 'smoke', 'tiny')
+
+
+def check(variant: str | None, known: tuple[str, ...] = NAMES) -> str:
+  """Returns the variant's name ('' for none); ValueError if not in `known`."""
+  variant = variant or ''
+  if variant not in known:
+    raise ValueError(f'Unknown config variant {variant!r}; expected one of {known}.')
+  return variant
+
+
+def smoke(config: ml_collections.ConfigDict, num_steps: int) -> None:
+  """Turns `config` into its 'smoke' variant of `num_steps` steps."""
+  _short_run(config, num_steps, log_every_steps=25, checkpoint_every_steps=num_steps // 3,
+             eval_every_steps=num_steps // 3, eval_episodes=8)
+
+
+def tiny(config: ml_collections.ConfigDict, channels: int, num_steps: int,
+         log_every_steps: int, checkpoint_every_steps: int) -> None:
+  """Turns `config` into its 'tiny' model and run; episodes are the caller's."""
+  model = config.model
+  model.channels = channels
+  model.cnn_embedding_dim = 6
+  model.embedding_dim = 8
+  model.image_features = 8
+  model.num_layers = 1
+  model.num_heads = 2
+  config.data.image_size = 16
+  _short_run(config, num_steps, log_every_steps, checkpoint_every_steps,
+             eval_every_steps=num_steps, eval_episodes=2)
+
+
+def _short_run(config: ml_collections.ConfigDict, num_steps: int, log_every_steps: int,
+               checkpoint_every_steps: int, eval_every_steps: int,
+               eval_episodes: int) -> None:
+  config.optim.name = 'adam'
+  config.optim.learning_rate = 1e-3
+  train = config.train
+  train.num_steps = num_steps
+  train.log_every_steps = log_every_steps
+  train.checkpoint_every_steps = checkpoint_every_steps
+  train.eval_every_steps = eval_every_steps
+  train.eval_episodes = eval_episodes
