@@ -35,6 +35,7 @@ import numpy as np
 from cht_jax import continual
 from cht_jax import evaluate
 from cht_jax import losses
+from cht_jax import methods
 from cht_jax import models
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
@@ -116,10 +117,13 @@ def load_model(workdir: str, config: ml_collections.ConfigDict | None = None,
     step: the checkpoint step; None for the latest.
 
   Raises:
-    train.CheckpointError: no checkpoint, or one of another config.
+    checkpoints.CheckpointError (cht_jax/checkpoints.py): no checkpoint, or one of another config.
   """
   if config is None:
     config = load_config(workdir)
+  if methods.method_name(config) != 'cht':
+    raise ValueError(f'{workdir} holds a {methods.display_name(config)} model; the API '
+                     'generates weights with a trained CHT (config.method = cht).')
   params, step = evaluate.restore_params(workdir, config, step)
   return model_from_params(config, params, step)
 

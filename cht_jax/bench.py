@@ -30,8 +30,10 @@ from ml_collections import config_flags
 from cht_jax import api
 from cht_jax import continual
 from cht_jax import devices
+from cht_jax import methods
 from cht_jax import models
 from cht_jax import train
+from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 
 FLAGS = flags.FLAGS
@@ -126,22 +128,21 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   """
   config = config.copy_and_resolve_references()
   config.train.episodes_per_step = batch_size
-  ht = models.build_hypertransformer(config)
+  method = methods.build(config)
   optimizer = train.make_optimizer(config.optim)
-  image_shape = class_images.shape[2:]
-  state = train.init_state(config, ht, optimizer, jax.random.key(0), image_shape)
-  step = train.make_train_step(config, ht, optimizer, devices.data_mesh(batch_size))
+  state = train.init_state(method, optimizer, jax.random.key(0))
+  step = train.make_train_step(method, optimizer, devices.data_mesh(batch_size))
   key = jax.random.key(1)
 
   start = time.perf_counter()
   compiled = step.lower(state, class_images, key).compile()
   compile_seconds = time.perf_counter() - start
-  spec = train.episode_spec(config)
+  spec = datasets.episode_spec(config)
   episode = episodes_lib.sample_episode(key, class_images, spec, rotate=False)
   flops_cache = {} if flops_cache is None else flops_cache
   num_tasks = config.episode.num_tasks
   if num_tasks not in flops_cache:
-    flops_cache[num_tasks] = episode_flops(config, ht, state.params, episode)
+    flops_cache[num_tasks] = episode_flops(config, method.ht, state.params, episode)
   step_flops = batch_size * flops_cache[num_tasks]
 
   holder = [state]
@@ -156,7 +157,7 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   jax.block_until_ready(sample(key))
   sample_seconds = _time(lambda: sample(key), min_seconds / 4)
 
-  forward = train.make_eval_step(config, ht, batch_size)
+  forward = train.make_eval_step(method, batch_size)
   jax.block_until_ready(forward(params, class_images, key))
   forward_seconds = _time(lambda: forward(params, class_images, key), min_seconds / 2)
   return {
@@ -189,7 +190,7 @@ def generation_latency(config, class_images, min_seconds: float) -> dict[str, fl
   ~1.4x longer), and the latter's median.
   """
   ht = models.build_hypertransformer(config)
-  spec = train.episode_spec(config)
+  spec = datasets.episode_spec(config)
   episode = episodes_lib.sample_episode(jax.random.key(0), class_images, spec, rotate=False)
   support_images = episode['support_images'][0]
   support_labels = episode['support_labels'][0]

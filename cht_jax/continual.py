@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from cht_jax import losses
+from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import hypertransformer as ht_lib
 
 Episode = dict[str, jax.Array]  # support_images [T, S, H, W, C], support_labels [T, S],
@@ -127,7 +128,7 @@ def remat_option(option: str | bool, vectorize: bool, num_tasks: int) -> bool:
   return option
 
 
-def embed_queries(ht: ht_lib.HyperTransformer, thetas: Any, query_images: jax.Array,
+def embed_queries(cnn: cnn_lib.CNN, thetas: Any, query_images: jax.Array,
                   pairs: TaskPairs, remat: bool = True,
                   vectorize: bool | None = None) -> jax.Array:
   """Embeds Q(tau) with theta_t for every pair: [T, Q, H, W, C] -> [P, Q, D].
@@ -136,7 +137,7 @@ def embed_queries(ht: ht_lib.HyperTransformer, thetas: Any, query_images: jax.Ar
   Q(tau) alone, as in a plain loop over the pairs. `vectorize` (None: by
   backend, see `default_vectorize`) vmaps the pairs instead of looping.
   """
-  apply = lambda theta, images: ht.cnn.apply({'params': theta}, images)
+  apply = lambda theta, images: cnn.apply({'params': theta}, images)
   if remat:
     apply = jax.checkpoint(apply)
   if vectorize is None:
@@ -183,17 +184,15 @@ def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
       ht, ht_params, episode['support_images'], episode['support_labels'], remat=remat,
       unroll=unroll)
   pairs = TaskPairs.lower_triangle(episode['support_images'].shape[0])
-  return pairs_loss(ht, thetas, prototypes, episode, loss, pairs, remat, vectorize)
+  return pairs_loss(ht.cnn, thetas, prototypes, episode, loss, pairs, remat, vectorize)
 
 
-def pairs_loss(ht, thetas: Any, prototypes: jax.Array, episode: Episode, loss: str,
-               pairs: TaskPairs, remat: bool = True, vectorize: bool | None = None):
-  """The sum over `pairs` of L(Q(tau); theta_t) given theta_0..theta_{T-1} and prototypes.
-
-  `ht`: anything with the generated network as `.cnn` (a HyperTransformer, or
-  a `methods` baseline). Returns (loss, metrics) as `episode_loss`.
-  """
-  embeddings = embed_queries(ht, thetas, episode['query_images'], pairs, remat=remat,
+def pairs_loss(cnn: cnn_lib.CNN, thetas: Any, prototypes: jax.Array, episode: Episode,
+               loss: str, pairs: TaskPairs, remat: bool = True,
+               vectorize: bool | None = None):
+  """The sum over `pairs` of L(Q(tau); theta_t) given theta_0..theta_{T-1} (of the
+  network `cnn`) and prototypes. Returns (loss, metrics) as `episode_loss`."""
+  embeddings = embed_queries(cnn, thetas, episode['query_images'], pairs, remat=remat,
                              vectorize=vectorize)
   cross_entropy, accuracy = pair_losses(
       loss, embeddings, episode['query_labels'], prototypes, pairs)

@@ -1,4 +1,5 @@
-"""The devices a batch of episodes is split over; on CPU, one JAX device per core.
+"""Data parallelism: the devices a batch is split over (on CPU, one per core) and the
+mean gradient over them.
 
 XLA:CPU runs this model's thousands of small operations one after another,
 each on few threads, so one CPU device leaves cores idle. Made one device per
@@ -10,6 +11,8 @@ step on 2 cores (docs/performance.md).
 import os
 
 import jax
+from jax import flatten_util
+import jax.numpy as jnp
 
 _DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
 
@@ -58,3 +61,42 @@ def data_mesh(batch_size: int | None = None) -> jax.sharding.Mesh:
   devices = jax.devices()[:num_data_devices(batch_size)]
   return jax.make_mesh((len(devices),), ('data',), devices=devices,
                        axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def batch_grads(loss_fn, params, episodes, mesh: jax.sharding.Mesh, vectorize: bool):
+  """Mean gradient and metrics of `loss_fn(params, episode) -> (loss, metrics)` over a batch.
+
+  The batch [B, ...] is split over the devices of `mesh` (axis 'data',
+  `shard_map`): each device takes its B / devices episodes and the means are
+  averaged across devices (`pmean`), as in evaluation. Explicit per-device
+  code rather than a sharded vmap: XLA's partitioner would gather the whole
+  batch onto every device around custom calls (`model.conv_impl='fused_cpu'`).
+  On a device the episodes are vmapped when `vectorize`, else looped
+  (`lax.scan` summing the gradients): on CPU one episode at a time stays in
+  cache, where a vmapped batch of generated CNNs does not (docs/performance.md).
+  """
+  def device_grads(params, row):
+    size = jax.tree.leaves(row)[0].shape[0]
+    if vectorize:
+      def mean_loss(p):
+        _, metrics = jax.vmap(lambda episode: loss_fn(p, episode))(row)
+        metrics = jax.tree.map(jnp.mean, metrics)
+        return metrics['loss'], metrics
+      grads, metrics = jax.grad(mean_loss, has_aux=True)(params)
+    else:
+      grad_fn = jax.grad(loss_fn, has_aux=True)
+      def accumulate(total, episode):
+        return jax.tree.map(jnp.add, total, grad_fn(params, episode)), None
+      first = jax.tree.map(lambda x: x[0], row)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           jax.eval_shape(grad_fn, params, first))
+      total, _ = jax.lax.scan(accumulate, zeros, row)
+      grads, metrics = jax.tree.map(lambda x: x / size, total)
+    # One all-reduce of one vector: of a pytree, XLA makes several, which may
+    # run at once, and two collectives in flight can hang XLA:CPU (each holds
+    # one of the pool's threads while it waits for the other devices).
+    flat, unravel = flatten_util.ravel_pytree((grads, metrics))
+    return unravel(jax.lax.pmean(flat, 'data'))
+
+  return jax.shard_map(device_grads, mesh=mesh, in_specs=(jax.P(), jax.P('data')),
+                       out_specs=jax.P(), check_vma=False)(params, episodes)

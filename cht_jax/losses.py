@@ -10,7 +10,7 @@ import jax.numpy as jnp
 LOSSES = ('class_incremental', 'task_incremental', 'cross_entropy')
 # Stands in for -inf in masked logits: exp() of it is exactly 0 in float32 and,
 # unlike -inf, it keeps gradients and log-softmax free of NaNs.
-_MASKED_LOGIT = -1e30
+MASKED_LOGIT = -1e30
 
 
 def class_prototypes(embeddings: jax.Array, labels: jax.Array, num_ways: int) -> jax.Array:
@@ -47,7 +47,7 @@ def class_incremental_logits(embeddings, prototypes, t) -> jax.Array:
   num_tasks, num_ways, dim = prototypes.shape
   logits = negative_squared_distances(embeddings, prototypes.reshape(-1, dim))
   seen = jnp.repeat(jnp.arange(num_tasks) <= t, num_ways)
-  return jnp.where(seen[None, :], logits, _MASKED_LOGIT)
+  return jnp.where(seen[None, :], logits, MASKED_LOGIT)
 
 
 def task_incremental_logits(embeddings, prototypes, tau) -> jax.Array:

@@ -11,7 +11,8 @@ Evaluation (the paper's protocol on a checkpoint; cht_jax/evaluate.py):
   python -m cht_jax.main --mode=eval --config=configs/omniglot_t5.py --workdir=/tmp/cht_t5 \
       [--eval_tasks=5] [--checkpoint_step=N] [--eval_split=test]
 
-The Table 1 baselines run the same way from their config:
+Every method (config.method: CHT, ConstPN, Merged HT and the Table 1
+baselines) trains and evaluates the same way from its config:
 
   python -m cht_jax.main --config=configs/baselines_table1.py:ewc,5 --workdir=/tmp/ewc_t5
 """
@@ -27,8 +28,8 @@ from ml_collections import config_flags
 from cht_jax import config_validation
 from cht_jax import devices
 from cht_jax import evaluate
+from cht_jax import preemption
 from cht_jax import train
-from cht_jax.baselines import runner as baselines
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and logs go.')
@@ -72,27 +73,21 @@ def main(argv):
   try:
     config = config_validation.validate(FLAGS.config)
     logging.info('Config:\n%s', config)
-    # The Table 1 baselines (fine-tuning, EWC, MAML++) have their own trainer
-    # and evaluator with the same arguments and the same result files.
-    if config.method in baselines.METHODS:
-      trainer, evaluator = baselines.train_and_evaluate, baselines.evaluate_checkpoint
-    else:
-      trainer, evaluator = train.train_and_evaluate, evaluate.evaluate_checkpoint
     if FLAGS.mode == 'eval':
-      evaluator(
+      evaluate.evaluate_checkpoint(
           config, FLAGS.workdir, step=FLAGS.checkpoint_step, num_tasks=FLAGS.eval_tasks,
           split=FLAGS.eval_split, num_episodes=FLAGS.eval_episodes,
           num_query_draws=FLAGS.eval_query_draws,
           queries_per_class=FLAGS.eval_queries_per_class, seed=FLAGS.eval_seed,
           batch_size=FLAGS.eval_batch_size, embeddings=FLAGS.eval_embeddings)
     else:
-      trainer(config, FLAGS.workdir)
-  except evaluate.USER_ERRORS as e:  # Their message says what is wrong and what to do.
+      train.train_and_evaluate(config, FLAGS.workdir)
+  except train.USER_ERRORS as e:  # Their message says what is wrong and what to do.
     print(f'{type(e).__name__}: {e}', file=sys.stderr)
     return 1
-  except train.Preempted as e:
+  except preemption.Preempted as e:
     print(f'Preempted: {e}', file=sys.stderr)
-    return train.PREEMPTED_EXIT_CODE
+    return preemption.EXIT_CODE
 
 
 if __name__ == '__main__':

@@ -10,7 +10,7 @@ over the classes of tasks 0..t). One curve per theta_t; filled circles for the
 theta_t the model was trained to produce (t < T), open diamonds for the
 extrapolated ones; error bars are the 95% confidence intervals.
 
-Result files are those of `evaluate.write_results`. A baseline file needs only
+Result files are those of `reports.write_results`. A baseline file needs only
 'method' and 'table' ({'task_incremental'|'class_incremental': {'mean': [...]}},
 one value per column "0", "0-1", ...: the mean over tasks 0..k of the
 task-incremental accuracy, and the class-incremental accuracy on tasks 0..k);
@@ -57,7 +57,7 @@ def plot_panel(ax, result: dict[str, Any], setting: str,
 
   Args:
     ax: a Matplotlib Axes.
-    result: an evaluation result (`evaluate.write_results` JSON).
+    result: an evaluation result (`reports.write_results` JSON).
     setting: 'task_incremental' (x: task tau) or 'class_incremental' (x:
       tasks 0..k).
     baselines: baseline results (see the module docstring).

@@ -22,7 +22,7 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from cht_jax import api  # pylint: disable=g-import-not-at-top
-from cht_jax import train  # pylint: disable=g-import-not-at-top
+from cht_jax.data import datasets  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 
@@ -91,7 +91,7 @@ def main(argv):
     config.data.data_dir = FLAGS.data_dir
   model = api.load_model(FLAGS.workdir, config)
   print(f'Loaded the {model.num_ways}-way model of step {model.step} from {FLAGS.workdir}.')
-  test_images = train.load_dataset(config)['test']
+  test_images = datasets.load_dataset(config)['test']
   run(model, test_images, config.episode.shots, FLAGS.num_tasks, FLAGS.queries_per_class,
       FLAGS.seed)
 

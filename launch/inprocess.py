@@ -32,6 +32,7 @@ from cht_jax import config_validation  # pylint: disable=g-import-not-at-top,wro
 from cht_jax import devices  # pylint: disable=g-import-not-at-top,wrong-import-position
 from cht_jax import evaluate  # pylint: disable=g-import-not-at-top,wrong-import-position
 from cht_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
+from cht_jax import reports  # pylint: disable=g-import-not-at-top,wrong-import-position
 from cht_jax import train  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sweep  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -52,15 +53,14 @@ def run(name, spec, data, args):
     config.train.episodes_per_step = args.episodes_per_step
   config_validation.validate(config)
   method = methods.build(config)
-  optimizer = train.make_optimizer(config.optim)
-  size = config.data.image_size
+  optimizer = train.method_optimizer(method)
   key = jax.random.key(config.seed)
   init_key, train_key = jax.random.split(key)
   mesh = devices.data_mesh(config.train.episodes_per_step)
   replicated = jax.NamedSharding(mesh, jax.P())  # As train.py: one compiled step.
-  state = jax.jit(lambda k: train.init_state(config, method, optimizer, k, (size, size, 1)),
+  state = jax.jit(lambda k: train.init_state(method, optimizer, k),
                   out_shardings=replicated)(init_key)
-  step_fn = train.make_train_step(config, method, optimizer, mesh)
+  step_fn = train.make_train_step(method, optimizer, mesh)
   images = jax.device_put(data['train'], replicated)
   start, log, step = time.perf_counter(), [], 0
   for step in range(1, args.steps + 1):
@@ -80,12 +80,11 @@ def run(name, spec, data, args):
       batch_size=args.eval_batch_size)
   results = evaluate.evaluate(config, state.params, protocol, class_images=data['test'])
   workdir = os.path.join(args.root, name)
-  results.update(method=methods.display_name(config), workdir=workdir, step=step,
+  results.update(workdir=workdir, step=step,
                  config=json.loads(config.to_json_best_effort()),
                  training={'steps': step, 'seconds': train_seconds,
                            'episodes_per_step': args.episodes_per_step, 'log': log})
-  evaluate.write_results(results, evaluate.result_prefix(workdir, protocol, step),
-                         plot=False)
+  reports.write_results(results, reports.result_prefix(workdir, protocol, step), plot=False)
   print(f'[{name}] trained {step} steps in {train_seconds:.0f} s; class-incremental '
         f'{results["table"]["class_incremental"]["mean"]}', flush=True)
 

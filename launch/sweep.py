@@ -23,7 +23,7 @@ some runs. Each run is `python -m cht_jax.main --config=FILE:ARGS[,variant]
 ...]`; a workdir that holds checkpoints resumes, so rerunning a sweep finishes it.
 
 Collected (from each run's latest `<workdir>/eval/<split>_T<T>_step<step>.json`,
-`evaluate.write_results`): `<root>/sweep_<name>.{md,csv,json}`, one row per run:
+`reports.write_results`): `<root>/sweep_<name>.{md,csv,json}`, one row per run:
 class- and task-incremental accuracy on tasks 0, 0-1, ... (Table 1 layout), and one
 figure per dataset, `<root>/sweep_<name>_<dataset>.png` (`cht_jax.plots`: CHT runs as
 columns, ConstPN and Merged HT drawn as baselines in every panel).

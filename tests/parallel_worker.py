@@ -11,7 +11,7 @@ import sys
 import jax
 import numpy as np
 
-from cht_jax import models
+from cht_jax import methods
 from cht_jax import train
 from configs import omniglot_t2
 
@@ -22,12 +22,11 @@ def one_step(config, devices, images):
   mesh = jax.sharding.Mesh(np.array(devices), ('data',),
                            axis_types=(jax.sharding.AxisType.Auto,))
   replicated = jax.NamedSharding(mesh, jax.P())
-  ht = models.build_hypertransformer(config)
+  method = methods.build(config)
   optimizer = train.make_optimizer(config.optim)
-  size = config.data.image_size
-  state = train.init_state(config, ht, optimizer, jax.random.key(0), (size, size, 1))
+  state = train.init_state(method, optimizer, jax.random.key(0))
   state = jax.device_put(state, replicated)
-  step = train.make_train_step(config, ht, optimizer, mesh)
+  step = train.make_train_step(method, optimizer, mesh)
   images = jax.device_put(images, replicated)
   hlo = step.lower(state, images, jax.random.key(7)).compile().as_text()
   collectives = {op: hlo.count(f' {op}(') for op in COLLECTIVES}
@@ -55,9 +54,8 @@ def main():
       'grad_norm': [float(metrics_n['grad_norm']), float(metrics_1['grad_norm'])],
       'max_param_diff': diff(params_n, params_1),
       'max_param_change': diff(params_1, jax.device_get(
-          train.init_state(config, models.build_hypertransformer(config),
-                           train.make_optimizer(config.optim), jax.random.key(0),
-                           (16, 16, 1)).params)),
+          train.init_state(methods.build(config), train.make_optimizer(config.optim),
+                           jax.random.key(0)).params)),
   }))
 
 

@@ -17,7 +17,9 @@ from cht_jax import devices
 from cht_jax import evaluate
 from cht_jax import losses
 from cht_jax import methods
+from cht_jax import reports
 from cht_jax import train
+from cht_jax.methods import merged_ht
 from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import hypertransformer as ht_lib
 
@@ -43,8 +45,8 @@ def train_and_evaluate(config, images, steps=3):
   """A few training steps, then the evaluation protocol on a handful of episodes."""
   method = methods.build(config)
   optimizer = train.make_optimizer(config.optim)
-  state = train.init_state(config, method, optimizer, jax.random.key(0), IMAGE_SHAPE)
-  step = train.make_train_step(config, method, optimizer, devices.data_mesh())
+  state = train.init_state(method, optimizer, jax.random.key(0))
+  step = train.make_train_step(method, optimizer, devices.data_mesh())
   for i in range(steps):
     state, metrics = step(state, images, jax.random.key(i))
     assert not metrics['skipped'] and np.isfinite(float(metrics['loss']))
@@ -117,14 +119,14 @@ def test_constpn_is_the_generated_cnn_with_trained_parameters():
   cht = methods.build(load_config('omniglot_t2', 'tiny'))
   constpn = methods.build(load_config('omniglot_constpn', '2,tiny'))
   assert type(constpn.cnn) is cnn_lib.CNN and constpn.cnn == cht.cnn  # One definition.
-  params = constpn.init(jax.random.key(0), IMAGE_SHAPE, 1)
+  params = constpn.init(jax.random.key(0))
   zeros = ht_lib.zeros_theta(cht.cnn, IMAGE_SHAPE)
   assert jax.tree.structure(params) == jax.tree.structure(zeros)
   jax.tree.map(lambda a, b: np.testing.assert_equal(a.shape, b.shape), params, zeros)
 
   # A generated theta_0 dropped into ConstPN gives CHT's prototypes of task 0.
   episode = make_episode(jax.random.key(2), num_tasks=2, ways=3, shots=1)
-  ht_params = cht.init(jax.random.key(1), IMAGE_SHAPE, 1)
+  ht_params = cht.init(jax.random.key(1))
   thetas, prototypes = cht.thetas_and_prototypes(
       ht_params, episode['support_images'], episode['support_labels'])
   theta_0 = jax.tree.map(lambda x: x[0], thetas)
@@ -136,7 +138,7 @@ def test_constpn_is_the_generated_cnn_with_trained_parameters():
 
 def test_constpn_trains_on_five_times_the_ways(images):
   config = load_config('omniglot_constpn', '2,tiny')
-  spec = methods.training_spec(config)
+  spec = methods.build(config).training_spec()
   assert (spec.num_tasks, spec.ways) == (1, 5 * config.episode.ways)
   state, results = train_and_evaluate(config, images)
   assert results['num_tasks'] == 2 and len(results['table']['columns']) == 2
@@ -156,7 +158,7 @@ def test_constpn_trains_on_five_times_the_ways(images):
 def test_merge_tasks_labels_and_order():
   num_tasks, ways, shots = 3, 4, 2
   episode = make_episode(jax.random.key(0), num_tasks=num_tasks, ways=ways, shots=shots)
-  images, labels = methods.merge_tasks(episode['support_images'], episode['support_labels'],
+  images, labels = merged_ht.merge_tasks(episode['support_images'], episode['support_labels'],
                                        ways)
   assert images.shape == (num_tasks * ways * shots, *IMAGE_SHAPE)
   expected = np.concatenate([tau * ways + np.repeat(np.arange(ways), shots)
@@ -170,12 +172,12 @@ def test_merged_ht_one_theta_and_merged_prototypes():
   config = load_config('omniglot_merged_ht', '2,tiny')
   merged = methods.build(config)
   assert merged.ht.num_ways == 2 * config.episode.ways
-  params = merged.init(jax.random.key(0), IMAGE_SHAPE, 1)
+  params = merged.init(jax.random.key(0))
   episode = make_episode(jax.random.key(3), num_tasks=2, ways=3, shots=1)
   thetas, prototypes = merged.thetas_and_prototypes(
       params, episode['support_images'], episode['support_labels'])
   jax.tree.map(lambda x: np.testing.assert_array_equal(x[0], x[1]), thetas)
-  images, labels = methods.merge_tasks(episode['support_images'], episode['support_labels'], 3)
+  images, labels = merged_ht.merge_tasks(episode['support_images'], episode['support_labels'], 3)
   theta = jax.tree.map(lambda x: x[0], thetas)
   expected = losses.class_prototypes(merged.cnn.apply({'params': theta}, images), labels, 6)
   np.testing.assert_allclose(prototypes.reshape(6, -1), expected, rtol=1e-5, atol=1e-6)
@@ -213,7 +215,7 @@ def test_cross_entropy_arm_trains_and_scores_with_the_head(images):
   from cht_jax.data import episodes  # pylint: disable=g-import-not-at-top
   episode = episodes.sample_evaluation_episode(jax.random.key(5), images, spec, 1)
   pairs = continual.TaskPairs.lower_triangle(2)
-  task_inc, _ = evaluate.episode_accuracies(method, state.params, episode, pairs)
+  task_inc, _ = method.episode_accuracies(state.params, episode, pairs)
   thetas, _ = method.thetas_and_prototypes(
       state.params, episode['support_images'], episode['support_labels'])
   for p, (t, tau) in enumerate(zip(pairs.t, pairs.tau)):
@@ -230,7 +232,7 @@ def test_cross_entropy_arm_trains_and_scores_with_the_head(images):
 
 
 def fake_result(workdir, method, step, trained_tasks=2, values=(0.9, 0.8)):
-  """A result file shaped like evaluate.write_results'."""
+  """A result file shaped like reports.write_results'."""
   matrix = {'mean': [[values[0], None], [values[1], values[1]]],
             'ci95': [[0.01, None], [0.02, 0.02]]}
   result = {'method': method, 'num_tasks': 2, 'trained_tasks': trained_tasks, 'step': step,

@@ -78,8 +78,10 @@ def test_theta_t_depends_on_theta_prev(tiny_ht, tiny_params, tiny_episode):
   repeated = jnp.stack([support, support])
   thetas, _ = continual.generate_thetas(tiny_ht, tiny_params, repeated, jnp.stack([labels] * 2))
   assert not np.allclose(thetas['head']['kernel'][0], thetas['head']['kernel'][1])
+  # The scan and a plain apply are different compiled programs: float32 rounding
+  # (1.9e-6 seen on an AVX-512 host).
   np.testing.assert_allclose(thetas['head']['kernel'][0], theta_a['head']['kernel'],
-                             rtol=1e-5, atol=1e-6)
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_prototypes_are_frozen(tiny_ht, tiny_params, tiny_episode):
@@ -128,7 +130,7 @@ def test_query_passes_looped_or_vectorized_agree(tiny_ht, tiny_params, tiny_epis
       tiny_ht, tiny_params, tiny_episode['support_images'], tiny_episode['support_labels'])
   pairs = continual.TaskPairs.lower_triangle(3)
   embed = lambda vectorize: continual.embed_queries(
-      tiny_ht, thetas, tiny_episode['query_images'], pairs, vectorize=vectorize)
+      tiny_ht.cnn, thetas, tiny_episode['query_images'], pairs, vectorize=vectorize)
   looped, vectorized = embed(False), embed(True)
   assert looped.shape == (6, 6, 5)  # 6 pairs, 3 ways x 2 queries, 5 dims.
   np.testing.assert_allclose(looped, vectorized, rtol=1e-5, atol=1e-5)

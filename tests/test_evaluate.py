@@ -15,11 +15,14 @@ import orbax.checkpoint as ocp
 import pytest
 
 from cht_jax import api
+from cht_jax import checkpoints
 from cht_jax import continual
 from cht_jax import evaluate
-from cht_jax import models
+from cht_jax import methods
 from cht_jax import plots
+from cht_jax import reports
 from cht_jax import train
+from cht_jax.data import datasets
 from cht_jax.data import episodes
 from cht_jax.models import hypertransformer as ht_lib
 
@@ -34,9 +37,8 @@ def trained(tmp_path_factory):
   time of this file, and test_main covers the checkpoints training writes.)
   """
   config = tiny_config()
-  ht = models.build_hypertransformer(config)
   optimizer = train.make_optimizer(config.optim)
-  state = jax.jit(lambda key: train.init_state(config, ht, optimizer, key, (16, 16, 1)))(
+  state = jax.jit(lambda key: train.init_state(methods.build(config), optimizer, key))(
       jax.random.key(0))
   state = state.replace(step=jnp.asarray(3, jnp.int32))
   workdir = str(tmp_path_factory.mktemp('trained'))
@@ -45,7 +47,7 @@ def trained(tmp_path_factory):
 
 
 def save_checkpoint(workdir, config, state):
-  manager = train.checkpoint_manager(workdir, config)
+  manager = checkpoints.manager(workdir, config)
   manager.save(int(state.step), args=ocp.args.StandardSave(state))
   manager.wait_until_finished()
   manager.close()
@@ -95,13 +97,14 @@ def test_query_draws_never_touch_the_support_set():
 
 def test_episode_accuracies_match_the_training_computation(trained):
   config, _, params = trained
-  ht = models.build_hypertransformer(config)
+  method = methods.build(config)
+  ht = method.ht
   spec = evaluate.evaluation_spec(config, small_protocol(config))
   episode = episodes.sample_evaluation_episode(
       jax.random.key(4), jnp.asarray(class_images(images_per_class=8)), spec, 2)
   pairs = continual.TaskPairs.lower_triangle(3)
   accuracies = jax.jit(
-      lambda p, e, v: evaluate.episode_accuracies(ht, p, e, pairs, v), static_argnums=2)
+      lambda p, e, v: method.episode_accuracies(p, e, pairs, v), static_argnums=2)
   task_inc, class_inc = accuracies(params, episode, False)
   vec_task, vec_class = accuracies(params, episode, True)
 
@@ -111,7 +114,7 @@ def test_episode_accuracies_match_the_training_computation(trained):
         ht, params, episode['support_images'], episode['support_labels'])
     expected = {'task_incremental': [], 'class_incremental': []}
     for r in range(2):
-      embeddings = continual.embed_queries(ht, thetas, episode['query_images'][r], pairs)
+      embeddings = continual.embed_queries(ht.cnn, thetas, episode['query_images'][r], pairs)
       for loss in expected:
         expected[loss].append(continual.pair_losses(
             loss, embeddings, episode['query_labels'], prototypes, pairs)[1])
@@ -125,13 +128,13 @@ def test_episode_accuracies_match_the_training_computation(trained):
 
 def test_episode_i_depends_only_on_the_seed_and_i(trained):
   config, _, params = trained
-  ht = models.build_hypertransformer(config)
+  method = methods.build(config)
   images = class_images(images_per_class=8)
   results = []
   for num_episodes in (4, 3):  # The last batch of the second is padded.
     protocol = small_protocol(config, num_episodes=num_episodes)
     spec = evaluate.evaluation_spec(config, protocol)
-    results.append(evaluate.run_protocol(ht, params, images, spec, protocol))
+    results.append(evaluate.run_protocol(method, params, images, protocol, spec))
   for name in ('task_incremental', 'class_incremental'):
     a, b = results[0][name], results[1][name]
     assert a.shape == (4, 3, 3) and b.shape == (3, 3, 3)
@@ -164,12 +167,12 @@ def test_restore_reproduces_predictions_bit_for_bit(trained):
   restored, step = evaluate.restore_params(workdir, config)
   assert step == 3
   jax.tree.map(np.testing.assert_array_equal, restored, params)
-  ht = models.build_hypertransformer(config)
+  method = methods.build(config)
   protocol = small_protocol(config)
   spec = evaluate.evaluation_spec(config, protocol)
   images = class_images(images_per_class=8)
-  before = evaluate.run_protocol(ht, params, images, spec, protocol)
-  after = evaluate.run_protocol(ht, restored, images, spec, protocol)
+  before = evaluate.run_protocol(method, params, images, protocol, spec)
+  after = evaluate.run_protocol(method, restored, images, protocol, spec)
   for name in ('task_incremental', 'class_incremental'):
     np.testing.assert_array_equal(before[name], after[name])
   # And through the library API: weights, prototypes, embeddings, labels.
@@ -185,12 +188,12 @@ def test_restore_reproduces_predictions_bit_for_bit(trained):
 
 def test_checkpoint_errors_are_clear(tmp_path, trained):
   config, workdir, _ = trained
-  with pytest.raises(train.CheckpointError, match='No checkpoint.*--workdir'):
+  with pytest.raises(checkpoints.CheckpointError, match='No checkpoint.*--workdir'):
     evaluate.restore_params(str(tmp_path / 'empty'), config)
-  with pytest.raises(train.CheckpointError, match=r'step 7.*\[3\]'):
+  with pytest.raises(checkpoints.CheckpointError, match=r'step 7.*\[3\]'):
     evaluate.restore_params(workdir, config, step=7)
   wider = tiny_config(**{'model.channels': 6})
-  with pytest.raises(train.CheckpointError, match=r'does not fit.*params/.*config\.json'):
+  with pytest.raises(checkpoints.CheckpointError, match=r'does not fit.*params/.*config\.json'):
     evaluate.restore_params(workdir, wider)
   # Only the parameters must fit: another optimiser restores.
   params, _ = evaluate.restore_params(workdir, tiny_config(**{'optim.name': 'sgd'}))
@@ -207,9 +210,9 @@ def test_every_report_file_for_a_tiny_model(tmp_path, trained):
   protocol = small_protocol(config)
   results = evaluate.evaluate(config, params, protocol, class_images=class_images(images_per_class=8))
   results.update(method='CHT', workdir=workdir, step=3)
-  prefix = evaluate.result_prefix(str(tmp_path), protocol, 3)
+  prefix = reports.result_prefix(str(tmp_path), protocol, 3)
   assert prefix.endswith(os.path.join('eval', 'test_T3_step3'))
-  paths = evaluate.write_results(results, prefix)
+  paths = reports.write_results(results, prefix)
   assert [os.path.splitext(p)[1] for p in paths] == ['.json', '.csv', '.md', '.png']
   assert all(os.path.getsize(p) > 0 for p in paths)
 
@@ -250,7 +253,7 @@ def test_figure_from_several_results_with_baselines(tmp_path, trained):
     results = evaluate.evaluate(tiny_config(**{'episode.num_tasks': trained_tasks}), params,
                                 small_protocol(config),
                                 class_images=class_images(images_per_class=8))
-    files.append(evaluate.write_results(results, str(tmp_path / f't{trained_tasks}'),
+    files.append(reports.write_results(results, str(tmp_path / f't{trained_tasks}'),
                                         plot=False)[0])
   baseline = tmp_path / 'constpn.json'
   baseline.write_text(json.dumps({'method': 'ConstPN', 'table': {
@@ -405,7 +408,7 @@ def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
       'generate_weights', REPO_ROOT / 'examples' / 'generate_weights.py')
   example = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(example)
-  test_images = train.load_dataset(api.load_config(workdir))['test']
+  test_images = datasets.load_dataset(api.load_config(workdir))['test']
   lines = []
   history = example.run(model, test_images, shots=1, num_tasks=3, queries_per_class=4,
                         seed=0, log=lines.append)

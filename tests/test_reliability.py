@@ -22,8 +22,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from cht_jax import models
+from cht_jax import checkpoints
+from cht_jax import divergence
+from cht_jax import methods
+from cht_jax import preemption
 from cht_jax import train
+from cht_jax import workdir as workdir_lib
 from cht_jax.data import omniglot
 
 TINY = ['--config=configs/omniglot_t2.py:tiny', '--config.train.eval_every_steps=0']
@@ -179,7 +183,7 @@ def test_kill_mid_save_then_preempt_then_resume_bit_for_bit(tmp_path, prepared_o
       process, workdir)[1][-3000:]
   process.send_signal(signal.SIGTERM)
   rc, log = finish(process, workdir)
-  assert rc == train.PREEMPTED_EXIT_CODE, log[-3000:]
+  assert rc == preemption.EXIT_CODE, log[-3000:]
   assert f'Resuming from the checkpoint of step {max(complete)}' in log
   preempted_step = int(error_line(log, 'Preempted').split('after step ')[1].split(',')[0])
   assert preempted_step in complete_steps(workdir)
@@ -208,7 +212,7 @@ def blow_up_checkpoint(workdir, step, factor=1e10):
   state = ocp.StandardCheckpointer().restore(path)
   state['params'] = jax.tree.map(lambda p: p * np.float32(factor), state['params'])
   shutil.rmtree(os.path.join(workdir, 'checkpoints'))
-  manager = train.checkpoint_manager(workdir, tiny_config())
+  manager = checkpoints.manager(workdir, tiny_config())
   manager.save(step, args=ocp.args.StandardSave(state))
   manager.close()
 
@@ -231,7 +235,7 @@ def test_divergence_stops_at_the_step_and_keeps_the_last_good_checkpoint(
   overrides[-1] = '--config.train.checkpoint_every_steps=5'
   rc, log = run(env, workdir, prepared_omniglot, *overrides, '--config.train.on_divergence=skip')
   assert rc == 1, log[-3000:]
-  last = 40 + train.MAX_CONSECUTIVE_SKIPS + 1
+  last = 40 + divergence.MAX_CONSECUTIVE_SKIPS + 1
   assert (f'the {last - 40} steps 41..{last} were all skipped'
           in error_line(log, 'DivergenceError'))
   rows = [row for row in metrics(workdir) if row['step'] > 40]
@@ -254,16 +258,16 @@ class TestDivergenceGuard:
     return {**finite, **values, 'skipped': float(skipped)}
 
   def test_stop_names_the_step_and_what_went_wrong(self):
-    guard = train._DivergenceGuard('stop')
+    guard = divergence.Guard('stop')
     assert guard.check([(1, self.row()), (2, self.row())]) is None
     reason = guard.check([(3, self.row()), (4, self.row(True, theta_norm=np.inf))])
     assert reason == ('Training diverged at step 4: the norm of the generated weights (inf) '
                       'became non-finite.')
 
   def test_skip_goes_on_until_too_many_in_a_row(self):
-    guard = train._DivergenceGuard('skip')
+    guard = divergence.Guard('skip')
     bad = self.row(True, loss=np.nan)
-    limit = train.MAX_CONSECUTIVE_SKIPS
+    limit = divergence.MAX_CONSECUTIVE_SKIPS
     assert guard.check([(s, bad) for s in range(1, limit + 1)]) is None
     assert guard.check([(limit + 1, self.row())]) is None  # A good step resets the count.
     assert guard.check([(s, bad) for s in range(limit + 2, 2 * limit + 2)]) is None
@@ -297,10 +301,9 @@ def test_checkpoint_of_another_config_is_refused_before_any_work(tmp_path):
   workdir = str(tmp_path / 'work')
   saved = tiny_config()
   state = jax.eval_shape(lambda: train.init_state(
-      saved, models.build_hypertransformer(saved), train.make_optimizer(saved.optim),
-      jax.random.key(0), (16, 16, 1)))
+      methods.build(saved), train.make_optimizer(saved.optim), jax.random.key(0)))
   state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), state)
-  manager = train.checkpoint_manager(workdir, saved)
+  manager = checkpoints.manager(workdir, saved)
   manager.save(2, args=ocp.args.StandardSave(state))
   manager.close()
   with open(os.path.join(workdir, 'config.json'), 'w') as f:
@@ -309,7 +312,7 @@ def test_checkpoint_of_another_config_is_refused_before_any_work(tmp_path):
 
   # data_dir does not exist: the check comes before any data is read.
   changed = tiny_config(**{'model.channels': 16, 'data.data_dir': str(tmp_path / 'none')})
-  with pytest.raises(train.CheckpointError) as error:
+  with pytest.raises(checkpoints.CheckpointError) as error:
     train.train_and_evaluate(changed, workdir)
   message = str(error.value)
   assert message.startswith(f'The checkpoint of step 2 in {workdir}/checkpoints was written '
@@ -326,14 +329,14 @@ def test_unwritable_workdir(tmp_path):
   blocker = tmp_path / 'a_file'
   blocker.write_text('')
   config = tiny_config(**{'data.data_dir': str(tmp_path / 'none')})
-  with pytest.raises(train.WorkdirError, match=re.escape(
+  with pytest.raises(workdir_lib.WorkdirError, match=re.escape(
       f'Cannot write to {blocker}/work (NotADirectoryError: Not a directory). Choose '
       'another --workdir')):
     train.train_and_evaluate(config, str(blocker / 'work'))
   if os.geteuid() != 0:  # root may write anywhere.
     read_only = tmp_path / 'read_only'
     read_only.mkdir(mode=0o500)
-    with pytest.raises(train.WorkdirError, match='Permission denied'):
+    with pytest.raises(workdir_lib.WorkdirError, match='Permission denied'):
       train.train_and_evaluate(config, str(read_only))
   assert not (tmp_path / 'none').exists()
 
@@ -385,7 +388,7 @@ def test_metrics_log_drops_what_the_resumed_run_logs_again(tmp_path):
           {'step': 4, 'split': 'test'}, {'step': 6, 'split': 'train'}]
   path = tmp_path / 'metrics.jsonl'
   path.write_text(''.join(json.dumps(r) + '\n' for r in rows) + '{"step": 8, "spl')
-  log = train.MetricsLog(str(tmp_path))
+  log = workdir_lib.MetricsLog(str(tmp_path))
   log.drop_after(4)
   log.close()
   assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]

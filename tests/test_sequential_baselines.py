@@ -1,4 +1,5 @@
-"""Table 1 baselines (cht_jax/baselines): EWC, fine-tuning, MAML++ and their shared scan."""
+"""Table 1 baselines (cht_jax/baselines, cht_jax/methods): EWC, fine-tuning, MAML++ and
+their shared scan, trained and evaluated by the one trainer and protocol."""
 
 import json
 import os
@@ -10,11 +11,12 @@ import pytest
 
 from cht_jax import config_validation
 from cht_jax import evaluate
+from cht_jax import methods
+from cht_jax import train
 from cht_jax.baselines import ewc
 from cht_jax.baselines import maml
 from cht_jax.baselines import pretrain
 from cht_jax.baselines import rules
-from cht_jax.baselines import runner
 from cht_jax.baselines import sequential
 from cht_jax.models import cnn as cnn_lib
 from conftest import class_images
@@ -39,7 +41,7 @@ def assert_trees_close(a, b, **kwargs):
 
 
 def test_worktree_package_is_imported():
-  assert os.path.dirname(runner.__file__).startswith(
+  assert os.path.dirname(sequential.__file__).startswith(
       os.path.join(os.path.dirname(os.path.dirname(__file__)), 'cht_jax'))
 
 
@@ -214,8 +216,11 @@ def test_maml_loss_is_the_final_step_without_multi_step_weights():
 
 def test_maml_cannot_extrapolate_its_head():
   config = tiny_baseline_config('maml')
-  with pytest.raises(evaluate.EvaluationError, match='eval_tasks'):
-    runner.sequence_learner(config, None, num_tasks=3)
+  protocol = evaluate.default_protocol(config, num_tasks=3, num_episodes=2)
+  with pytest.raises(evaluate.EvaluationError, match='--eval_tasks <= 2'):
+    evaluate.evaluate(config, None, protocol, class_images=class_images(9))
+  with pytest.raises(ValueError, match='head for T=2'):
+    methods.build(config).sequence_learner(None, num_tasks=3)
 
 
 # --------------------------------------------------------------------------
@@ -228,7 +233,7 @@ def tiny_baseline_config(method):
   return baselines_table1.get_config(f'{method},2,tiny')  # 3-way 1-shot, 16x16, 4 steps.
 
 
-@pytest.mark.parametrize('method', runner.METHODS)
+@pytest.mark.parametrize('method', ('finetune', 'ewc', 'maml'))
 def test_trains_and_evaluates_end_to_end(method, tmp_path):
   config = tiny_baseline_config(method)
   # One compiled step each (CPU time): MAML++ first order with the multi-step loss
@@ -239,7 +244,7 @@ def test_trains_and_evaluates_end_to_end(method, tmp_path):
   dataset = {'train': class_images(12), 'validation': class_images(6, seed=1),
              'test': class_images(9, seed=2)}
   workdir = str(tmp_path)
-  last = runner.train_and_evaluate(config, workdir, dataset=dataset)
+  last = train.train_and_evaluate(config, workdir, dataset=dataset)
   assert np.isfinite(last['loss'])
   assert ('validation/class_incremental_final' in last) == (method == 'ewc')
   assert sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))) == [2, 4]
@@ -247,13 +252,13 @@ def test_trains_and_evaluates_end_to_end(method, tmp_path):
     rows = [json.loads(line) for line in f]
   assert [r['step'] for r in rows if r['split'] == 'train'] == [2, 4]
 
-  results, paths = runner.evaluate_checkpoint(
+  results, paths = evaluate.evaluate_checkpoint(
       config, workdir, dataset=dataset, plot=False, num_episodes=3, num_query_draws=2,
       batch_size=2)
   assert paths[0] == os.path.join(workdir, 'eval', 'test_T2_step4.json')
   with open(paths[0]) as f:
     saved = json.load(f)
-  assert saved['method'] == runner.DISPLAY_NAMES[method]
+  assert saved['method'] == methods.display_name(config)
   for name in ('task_incremental', 'class_incremental'):
     mean = np.array(saved[name]['mean'], dtype=float)
     assert mean.shape == (2, 2) and np.isnan(mean[0, 1])

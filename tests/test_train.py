@@ -7,26 +7,26 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from cht_jax import checkpoints
 from cht_jax import continual
 from cht_jax import devices
-from cht_jax import models
+from cht_jax import methods
 from cht_jax import train
 from conftest import class_images, make_episode, tiny_config
 
 
 def make_state(config, key=0):
-  ht = models.build_hypertransformer(config)
+  method = methods.build(config)
   optimizer = train.make_optimizer(config.optim)
-  size = config.data.image_size
-  state = train.init_state(config, ht, optimizer, jax.random.key(key), (size, size, 1))
-  return ht, optimizer, state
+  state = train.init_state(method, optimizer, jax.random.key(key))
+  return method, optimizer, state
 
 
 def test_a_few_steps_lower_the_loss():
   config = tiny_config()
   ht, optimizer, state = make_state(config)
   mesh = devices.data_mesh()
-  step_fn = train.make_train_step(config, ht, optimizer, mesh)
+  step_fn = train.make_train_step(ht, optimizer, mesh)
   images = jnp.asarray(class_images())
   key = jax.random.key(3)  # The same episodes every step: the loss must fall.
   losses = []
@@ -46,7 +46,7 @@ def test_looped_and_vmapped_episodes_give_the_same_gradient(tiny_ht, tiny_params
   loss_fn = lambda p, ep: continual.episode_loss(tiny_ht, p, ep, remat=False)
   grads, metrics = {}, {}
   for vectorize in (True, False):
-    grads[vectorize], metrics[vectorize] = jax.jit(lambda p: train.batch_grads(
+    grads[vectorize], metrics[vectorize] = jax.jit(lambda p: devices.batch_grads(
         loss_fn, p, episodes, devices.data_mesh(1), vectorize))(tiny_params)
   for name in ('loss', 'accuracy'):
     np.testing.assert_allclose(metrics[True][name], metrics[False][name], rtol=1e-5)
@@ -74,11 +74,11 @@ def test_checkpoint_round_trip(tmp_path):
   config = tiny_config()
   _, _, state = make_state(config, key=5)
   state = state.replace(step=jnp.asarray(7, jnp.int32))
-  manager = train.checkpoint_manager(str(tmp_path), config)
+  manager = checkpoints.manager(str(tmp_path), config)
   manager.save(7, args=ocp.args.StandardSave(state))
   manager.wait_until_finished()
   _, _, fresh = make_state(config, key=6)
-  restored = train.restore_or_init(manager, fresh)
+  restored = checkpoints.restore_or_init(manager, fresh)
   assert int(restored.step) == 7
   jax.tree.map(np.testing.assert_array_equal, restored.params, state.params)
   jax.tree.map(np.testing.assert_array_equal, restored.opt_state, state.opt_state)

@@ -27,7 +27,6 @@ Theta = Any  # The `params` pytree of a `cnn_lib.CNN` with a K*T head.
 # update(theta_{t-1}, state, support_images [S, H, W, C], support_labels [S], t)
 #   -> (theta_t, state, output); `output` is what `run_sequence` stacks over t.
 UpdateFn = Callable[[Theta, Any, jax.Array, jax.Array, jax.Array], tuple[Theta, Any, Any]]
-MASKED_LOGIT = -1e30  # exp() of it is 0 in float32, without the NaNs of -inf.
 
 
 def seen_classes_mask(t, num_outputs: int, ways: int) -> jax.Array:
@@ -41,8 +40,8 @@ def task_classes_mask(tau, num_outputs: int, ways: int) -> jax.Array:
 
 
 def mask_logits(logits: jax.Array, mask: jax.Array) -> jax.Array:
-  """[..., M] logits with the outputs where `mask` [M] is False set to MASKED_LOGIT."""
-  return jnp.where(mask, logits, MASKED_LOGIT)
+  """[..., M] logits with the outputs where `mask` [M] is False set to losses.MASKED_LOGIT."""
+  return jnp.where(mask, logits, losses.MASKED_LOGIT)
 
 
 def seen_log_probs(cnn: cnn_lib.CNN, theta: Theta, images: jax.Array, t,

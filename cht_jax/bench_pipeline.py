@@ -1,7 +1,7 @@
 """Does the host pipeline keep up with the training step at 84x84?
 
 Usage:
-  python -m cht_jax.data.bench_pipeline [--mode=both|pipeline|step]
+  python -m cht_jax.bench_pipeline [--mode=both|pipeline|step]
       [--config=configs/tiered_imagenet_t2.py] [--num_steps=20]
 
 * pipeline: writes a fake tieredImageNet-shaped pickled release (84x84 RGB
@@ -98,10 +98,10 @@ def bench_pipeline(config, num_steps: int) -> dict:
 def bench_step(config, num_steps: int) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   from cht_jax import devices  # pylint: disable=g-import-not-at-top
-  from cht_jax import models  # pylint: disable=g-import-not-at-top
+  from cht_jax import methods  # pylint: disable=g-import-not-at-top
   from cht_jax import train  # pylint: disable=g-import-not-at-top
   from cht_jax.data import datasets  # pylint: disable=g-import-not-at-top
-  ht = models.build_hypertransformer(config)
+  method = methods.build(config)
   optimizer = train.make_optimizer(config.optim)
   mesh = devices.data_mesh(config.train.episodes_per_step)
   shape = datasets.image_shape(config)
@@ -119,10 +119,10 @@ def bench_step(config, num_steps: int) -> dict:
   }
   sharding = jax.NamedSharding(mesh, jax.P('data'))
   batch = jax.device_put(batch, sharding)
-  state = jax.jit(lambda key: train.init_state(config, ht, optimizer, key, shape))(
+  state = jax.jit(lambda key: train.init_state(method, optimizer, key))(
       jax.random.key(0))
   start = time.perf_counter()
-  step = train.make_train_step(config, ht, optimizer, mesh, host=True).lower(
+  step = train.make_train_step(method, optimizer, mesh, host=True).lower(
       state, batch, jax.random.key(1)).compile()
   compile_s = time.perf_counter() - start
   costs = step.cost_analysis()

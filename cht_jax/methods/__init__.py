@@ -1,0 +1,63 @@
+"""The methods that produce the CNN weights theta_t, one file each (interface: base.py).
+
+  cht.py        the Continual HyperTransformer (Algorithm 1; T=1 is plain HT)
+  constpn.py    ConstPN: one trained CNN for every task
+  merged_ht.py  Merged HT: one HT over all tasks merged into one
+  finetune.py   pretraining + fine-tuning, and EWC
+  maml.py       MAML++
+
+`build(config)` returns the method of `config.method`; training (train.py) and
+the evaluation protocol (evaluate.py) only call through that object. Adding a
+method: a file here, its class in REGISTRY, its name in
+`config_validation.METHODS`, and a config.
+"""
+
+import ml_collections
+
+from cht_jax import config_validation
+from cht_jax.methods import base
+from cht_jax.methods import cht
+from cht_jax.methods import constpn
+from cht_jax.methods import finetune
+from cht_jax.methods import maml
+from cht_jax.methods import merged_ht
+
+Method = base.Method
+REGISTRY = {
+    'cht': cht.CHT,
+    'constpn': constpn.ConstPN,
+    'merged_ht': merged_ht.MergedHT,
+    'finetune': finetune.Finetune,
+    'ewc': finetune.EWC,
+    'maml': maml.MAML,
+}
+
+
+def method_name(config: ml_collections.ConfigDict) -> str:
+  """`config.method`; 'cht' for configs saved before the field existed (config.json)."""
+  return config.get('method', 'cht')
+
+
+def method_class(config: ml_collections.ConfigDict) -> type[Method]:
+  name = method_name(config)
+  if name not in REGISTRY:
+    raise config_validation.ConfigError(
+        f'Unknown config.method {name!r}; expected one of {tuple(REGISTRY)}.')
+  return REGISTRY[name]
+
+
+def build(config: ml_collections.ConfigDict, num_train_classes: int | None = None) -> Method:
+  """The method of `config.method`.
+
+  Args:
+    config: the experiment config (the method keeps a frozen copy).
+    num_train_classes: classes of the training split, where a method's
+      parameters depend on it (the pretraining head of fine-tuning and EWC);
+      None to count them from the split scheme.
+  """
+  return method_class(config).from_config(ml_collections.FrozenConfigDict(config),
+                                          num_train_classes)
+
+
+def display_name(config: ml_collections.ConfigDict) -> str:
+  return method_class(config).display_name

@@ -1,0 +1,72 @@
+"""Every method through the one trainer and the one protocol: the numbers of before the redesign.
+
+`data/methods_tiny_golden.json` holds, for each `config.method`, the training
+losses, the validation metrics and the Table 1 rows of a tiny config trained 4
+steps on synthetic class images and evaluated on 3 episodes, as computed at
+commit 84ff101 by the two frameworks of then (train.py for CHT, ConstPN and
+Merged HT; baselines/runner.py for fine-tuning, EWC and MAML++). The same
+seed and config must give the same numbers now.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from cht_jax import config_validation
+from cht_jax import evaluate
+from cht_jax import methods
+from cht_jax import train
+from conftest import REPO_ROOT, class_images
+
+with open(REPO_ROOT / 'tests' / 'data' / 'methods_tiny_golden.json') as f:
+  GOLDEN = json.load(f)
+
+
+def tiny_config(name):
+  from configs import baselines_table1, omniglot_constpn, omniglot_merged_ht, omniglot_t2  # pylint: disable=g-import-not-at-top
+  if name == 'cht':
+    return omniglot_t2.get_config('tiny')
+  if name == 'constpn':
+    return omniglot_constpn.get_config('2,tiny')
+  if name == 'merged_ht':
+    return omniglot_merged_ht.get_config('2,tiny')
+  return baselines_table1.get_config(f'{name},2,tiny')
+
+
+def test_one_builder_per_config_method():
+  assert tuple(methods.REGISTRY) == config_validation.METHODS
+  for name, cls in methods.REGISTRY.items():
+    assert cls.name == name and cls.display_name
+
+
+@pytest.mark.parametrize('name', sorted(GOLDEN))
+def test_method_gives_the_numbers_of_before_the_redesign(name, tmp_path):
+  config = tiny_config(name)
+  config_validation.validate(config, num_devices=1)
+  # 20 training classes: ConstPN's tiny training tasks are 5 x 3 = 15-way.
+  dataset = {'train': class_images(20), 'validation': class_images(6, seed=1),
+             'test': class_images(9, seed=2)}
+  workdir = str(tmp_path)
+  train.train_and_evaluate(config, workdir, dataset=dataset)
+  results, _ = evaluate.evaluate_checkpoint(config, workdir, dataset=dataset, plot=False,
+                                            num_episodes=3, num_query_draws=2, batch_size=2)
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  golden = GOLDEN[name]
+  # Float32 rounding may differ across CPUs (kernels, vector widths); after 4 steps
+  # the losses stay within 1e-4 relative. An accuracy is a count of argmaxes: a
+  # rounding-level flip of one of the 18 queries of a pair moves it by ~0.03.
+  np.testing.assert_allclose([r['train/loss'] for r in rows if r['split'] == 'train'],
+                             golden['train_loss'], rtol=1e-4)
+  validation = [r for r in rows if r['split'] == 'validation']
+  assert len(validation) == len(golden['validation'])
+  for got, expected in zip(validation, golden['validation']):
+    for key, value in expected.items():
+      tolerance = dict(rtol=1e-4) if key.endswith(('loss', 'norm')) else dict(atol=0.03)
+      np.testing.assert_allclose(got[key], value, err_msg=key, **tolerance)
+  for setting in ('class_incremental', 'task_incremental'):
+    np.testing.assert_allclose(results['table'][setting]['mean'], golden[setting], atol=0.03,
+                               err_msg=setting)
+  assert results['method'] == methods.display_name(config)
