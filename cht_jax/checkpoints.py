@@ -7,6 +7,7 @@ manager (`remove_partial`) deletes when it restarts. Every failure here is a
 """
 
 import json
+import logging as std_logging
 import os
 import re
 from typing import Any
@@ -22,6 +23,28 @@ import orbax.checkpoint as ocp
 
 class CheckpointError(RuntimeError):
   """A checkpoint could not be written, read, or does not fit the config."""
+
+
+class _QuietOrbax(std_logging.Filter):
+  """Drops Orbax's INFO lines and the tracebacks of its ERROR lines.
+
+  Orbax logs dozens of lines per checkpoint, which drown the training's
+  progress, and logs its own tracebacks before the `CheckpointError` that
+  says what went wrong and what to do.
+  """
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    if f'{os.sep}orbax{os.sep}' not in record.pathname:
+      return True
+    record.exc_info, record.exc_text = None, None
+    return record.levelno >= std_logging.WARNING
+
+
+def quiet_orbax_logs(verbose: bool = False) -> None:
+  """Orbax's INFO chatter off (`verbose`, e.g. --verbosity=1, keeps it)."""
+  if not verbose:
+    # Orbax logs through absl, i.e. the standard 'absl' logger: filter there.
+    std_logging.getLogger('absl').addFilter(_QuietOrbax())
 
 
 def manager(workdir: str, config, remove_partial: bool = False) -> ocp.CheckpointManager:

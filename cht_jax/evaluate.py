@@ -187,7 +187,8 @@ def run_protocol(method: methods.Method, params, class_images, protocol: Protoco
     raise EvaluationError(
         f'Cannot draw {protocol.split} episodes of {spec.num_tasks} tasks with '
         f'{spec.queries_per_class} queries per class: {e} Lower --eval_tasks or '
-        '--eval_queries_per_class, or use --eval_split=test.') from None
+        '--eval_queries_per_class' + ('.' if protocol.split == 'test' else
+                                      ', or use --eval_split=test (more classes).')) from None
   class_images = jnp.asarray(class_images)
   # Uncommitted copies: restored parameters sit on one device, and the batch
   # may spread over several (one per core on CPU, cht_jax/devices.py).

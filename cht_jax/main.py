@@ -4,7 +4,11 @@ r"""Entry point: meta-train a Continual HyperTransformer.
   python -m cht_jax.main --config=configs/omniglot_t5.py:smoke --workdir=/tmp/smoke \
       --config.data.manual_dir=../shared/data/omniglot --config.train.episodes_per_step=8
 
-A workdir that already holds checkpoints is resumed from the latest one.
+A workdir that already holds checkpoints is resumed from the latest one; without
+--workdir it is workdirs/<config name>[_<config argument>] in the current directory
+(printed at start). One training run per workdir: a second one stops at once.
+Ctrl-C, like SIGTERM, checkpoints the current step and exits (130; a second
+Ctrl-C exits at once).
 
 Evaluation (the paper's protocol on a checkpoint; cht_jax/evaluate.py):
 
@@ -17,6 +21,8 @@ baselines) trains and evaluates the same way from its config:
   python -m cht_jax.main --config=configs/baselines_table1.py:ewc,5 --workdir=/tmp/ewc_t5
 """
 
+import os
+import re
 import sys
 
 from absl import app
@@ -25,6 +31,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from cht_jax import checkpoints
 from cht_jax import config_validation
 from cht_jax import devices
 from cht_jax import evaluate
@@ -32,7 +39,8 @@ from cht_jax import preemption
 from cht_jax import train
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and logs go.')
+flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and logs go (default: '
+                    'workdirs/<config name>[_<config argument>]).')
 flags.DEFINE_enum('mode', 'train', ['train', 'eval'],
                   'train, or eval: the evaluation protocol on a checkpoint of --workdir.')
 # --mode=eval (defaults: the paper's protocol; see cht_jax/evaluate.py).
@@ -57,13 +65,26 @@ flags.DEFINE_integer('num_processes', None, 'Number of processes (default: from 
 flags.DEFINE_integer('process_id', None, 'This process (default: from the cluster).')
 config_flags.DEFINE_config_file('config', None, 'A config file (see configs/).',
                                 lock_config=True)
-flags.mark_flags_as_required(['config', 'workdir'])
+flags.mark_flags_as_required(['config'])
+
+
+def default_workdir(config_flag: str) -> str:
+  """'configs/omniglot_t5.py:smoke' -> 'workdirs/omniglot_t5_smoke'."""
+  path, _, arg = config_flag.partition(':')
+  name = os.path.splitext(os.path.basename(path))[0]
+  return os.path.join('workdirs', re.sub(r'[^A-Za-z0-9_.-]+', '_', f'{name}_{arg}' if arg
+                                         else name))
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   devices.use_cpu_cores()  # Where the CPU is the backend, each core takes its own episodes.
+  checkpoints.quiet_orbax_logs(verbose=FLAGS.verbosity > 0)
+  workdir = FLAGS.workdir
+  if workdir is None:
+    workdir = default_workdir(FLAGS['config'].config_filename)
+    print(f'No --workdir given: using {os.path.abspath(workdir)}', file=sys.stderr, flush=True)
   if FLAGS.distributed:
     jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
                                num_processes=FLAGS.num_processes,
@@ -75,19 +96,23 @@ def main(argv):
     logging.info('Config:\n%s', config)
     if FLAGS.mode == 'eval':
       evaluate.evaluate_checkpoint(
-          config, FLAGS.workdir, step=FLAGS.checkpoint_step, num_tasks=FLAGS.eval_tasks,
+          config, workdir, step=FLAGS.checkpoint_step, num_tasks=FLAGS.eval_tasks,
           split=FLAGS.eval_split, num_episodes=FLAGS.eval_episodes,
           num_query_draws=FLAGS.eval_query_draws,
           queries_per_class=FLAGS.eval_queries_per_class, seed=FLAGS.eval_seed,
           batch_size=FLAGS.eval_batch_size, embeddings=FLAGS.eval_embeddings)
     else:
-      train.train_and_evaluate(config, FLAGS.workdir)
+      train.train_and_evaluate(config, workdir)
   except train.USER_ERRORS as e:  # Their message says what is wrong and what to do.
     print(f'{type(e).__name__}: {e}', file=sys.stderr)
     return 1
   except preemption.Preempted as e:
-    print(f'Preempted: {e}', file=sys.stderr)
-    return preemption.EXIT_CODE
+    print(f'{e.label}: {e}', file=sys.stderr)
+    return e.exit_code
+  except KeyboardInterrupt:  # Ctrl-C before training's first step: nothing to save.
+    print('Interrupted before training started; no checkpoint was written by this run.',
+          file=sys.stderr)
+    return preemption.INTERRUPTED_EXIT_CODE
 
 
 if __name__ == '__main__':

@@ -1,40 +1,66 @@
-"""SIGTERM (a cluster's preemption) as a flag the training loop polls between steps.
+"""SIGTERM (a cluster's preemption) and Ctrl-C as a flag the training loop polls between steps.
 
 The loop checkpoints the step in progress and raises `Preempted`; `main`
-exits with `EXIT_CODE` (128 + SIGTERM), the status schedulers read as
-"terminated, requeue me".
+prints its one line and exits with its `exit_code`: 143 (128 + SIGTERM), the
+status schedulers read as "terminated, requeue me", or 130 after Ctrl-C. A
+second Ctrl-C ends the process at once, without a checkpoint.
 """
 
+import os
 import signal
+import sys
 import threading
 
 from absl import logging
 
 EXIT_CODE = 128 + signal.SIGTERM
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 
 
 class Preempted(Exception):
-  """SIGTERM arrived; the current step was checkpointed."""
+  """SIGTERM or SIGINT arrived; the current step was checkpointed."""
+
+  def __init__(self, message: str, signum: int = signal.SIGTERM):
+    super().__init__(message)
+    self.exit_code = 128 + signum
+    self.label = 'Interrupted' if signum == signal.SIGINT else 'Preempted'
 
 
 class SignalFlag:
-  """Within `with`, SIGTERM sets `.received` instead of ending the process."""
+  """Within `with`, SIGTERM and SIGINT set `.received` instead of ending the process.
 
-  def __init__(self, signum: int = signal.SIGTERM):
-    self._signum = signum
-    self._previous = None
+  `.name` is the first signal's ('SIGTERM' or 'SIGINT') and `.signum` its number.
+  """
+
+  def __init__(self, signums=(signal.SIGTERM, signal.SIGINT)):
+    self._signums = signums
+    self._previous = {}
     self.received = False
+    self.signum = None
+
+  @property
+  def name(self) -> str:
+    return signal.Signals(self.signum).name if self.signum else ''
 
   def _handle(self, signum, frame):
     del frame
-    logging.warning('Received signal %d: checkpointing and stopping after this step.', signum)
+    if self.received and signum == signal.SIGINT:
+      print('Interrupted again: exiting now, without a checkpoint of this step.',
+            file=sys.stderr, flush=True)
+      os._exit(INTERRUPTED_EXIT_CODE)  # pylint: disable=protected-access
+    if not self.received:
+      self.signum = signum
+      logging.warning('Received %s: checkpointing and stopping after this step%s.',
+                      signal.Signals(signum).name,
+                      ' (Ctrl-C again to exit at once)' if signum == signal.SIGINT else '')
     self.received = True
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(self._signum, self._handle)
+      for signum in self._signums:
+        self._previous[signum] = signal.signal(signum, self._handle)
     return self
 
   def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(self._signum, self._previous)
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)

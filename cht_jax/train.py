@@ -223,10 +223,39 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   Raises:
     One of `USER_ERRORS` (bad config, data, workdir or checkpoint; divergence),
-    or preemption.Preempted after SIGTERM, once the current step is checkpointed.
+    or preemption.Preempted after SIGTERM or SIGINT, once the current step is
+    checkpointed.
   """
   config_validation.validate(config)
+  created = workdir_lib.new_folders(workdir)
   workdir = workdir_lib.check_workdir(workdir)
+  try:
+    with workdir_lib.RunLock(workdir):  # One training run per workdir.
+      return _train(config, workdir, dataset)
+  finally:  # A start that failed before writing anything leaves no folders behind.
+    workdir_lib.remove_if_empty(created)
+
+
+def warn_if_evaluation_cannot_run(config: ml_collections.ConfigDict) -> list[str]:
+  """Logs (and returns) what keeps the default evaluation protocol (`--mode=eval`, the
+  test split, T tasks) from running on this config, where the class counts are known
+  without reading data: training can run, but its model could not be scored."""
+  counts = {'omniglot': lambda: len(omniglot.class_split(
+      config.data.split_scheme, config.data.split_seed)['test'])}
+  if config.data.dataset not in counts:
+    return []
+  spec = evaluate.evaluation_spec(config, evaluate.default_protocol(config))
+  problems = episodes_lib.spec_problems(spec, counts[config.data.dataset](),
+                                        split="the 'test' split")
+  for problem in problems:
+    logging.warning('The evaluation protocol cannot run on this config as it is: %s '
+                    '--mode=eval would need a smaller --eval_tasks.', problem)
+  return problems
+
+
+def _train(config, workdir, dataset) -> dict[str, float]:
+  """`train_and_evaluate` once the workdir is this run's."""
+  warn_if_evaluation_cannot_run(config)
   method = methods.build(config, None if dataset is None else len(dataset['train']))
   optimizer = method_optimizer(method)
   mesh = devices.data_mesh(method.batch_size)
@@ -246,8 +275,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     workdir_lib.write_config(workdir, config)
     log = workdir_lib.MetricsLog(workdir)
     log.drop_after(int(state.step))
-    with preemption.SignalFlag() as sigterm:  # Until here SIGTERM just ends the process.
-      return _train_loop(method, optimizer, mesh, state, dataset, manager, log, sigterm,
+    with preemption.SignalFlag() as signals:  # Until here SIGTERM just ends the process.
+      return _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
                          train_key, eval_key)
   finally:
     checkpoints.close(manager)
@@ -255,7 +284,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       log.close()
 
 
-def _train_loop(method, optimizer, mesh, state, dataset, manager, log, sigterm,
+def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
                 train_key, eval_key) -> dict[str, float]:
   """Steps from `state.step` to `config.train.num_steps`."""
   config, tc = method.config, method.config.train
@@ -271,11 +300,11 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, sigterm,
   logging.info('%s: training steps %d..%d, %d per step on %d device(s).',
                method.display_name, first_step, num_steps, method.batch_size,
                mesh.devices.size)
-  if sigterm.received:
+  if signals.received:
     kept = (f'the checkpoint of step {first_step} is kept' if first_step else
             'no step had been trained')
-    raise preemption.Preempted(f'Stopped by SIGTERM before training step {first_step + 1}; '
-                               f'{kept}.')
+    raise preemption.Preempted(f'Stopped by {signals.name} before training step '
+                               f'{first_step + 1}; {kept}.', signals.signum)
 
   if host:  # Host pipeline: the batch of step s is a function of (seed, s) too.
     batches = datasets.host_batches(config, first_step + 1)
@@ -294,7 +323,7 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, sigterm,
                                           inputs)
     pending.append((step, metrics))
     last = step == num_steps
-    stop = sigterm.received  # Read once: the signal may arrive at any moment.
+    stop = signals.received  # Read once: the signal may arrive at any moment.
     do_log = step % tc.log_every_steps == 0 or last or stop
     do_eval = tc.eval_every_steps and (step % tc.eval_every_steps == 0 or last)
     do_save = step % tc.checkpoint_every_steps == 0 or last or stop
@@ -323,8 +352,9 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, sigterm,
     if do_save:
       checkpoints.save(manager, step, state, wait=last or stop)
     if stop and not last:
-      raise preemption.Preempted(f'Stopped by SIGTERM after step {step}, checkpointed in '
-                                 f'{manager.directory}; rerun the same command to resume.')
+      raise preemption.Preempted(f'Stopped by {signals.name} after step {step}, checkpointed '
+                                 f'in {manager.directory}; rerun the same command to resume.',
+                                 signals.signum)
   return last_metrics
 
 

@@ -1,18 +1,35 @@
-"""The workdir of a run: checked before anything is read, its config record and metrics log.
+"""The workdir of a run: checked before anything is read, its lock, config record and metrics.
 
+  <workdir>/run.lock        held by the training run using the workdir (`RunLock`)
   <workdir>/config.json     the config of the last run (written atomically)
   <workdir>/metrics.jsonl   one JSON row per logged step and split, for scripts
   <workdir>/events.out.*    the same scalars for TensorBoard
   <workdir>/checkpoints/    Orbax (cht_jax/checkpoints.py)
+
+Files are written with the permissions the umask gives (a group on a shared
+cluster can read the results).
 """
 
+import datetime
+import glob
 import json
 import os
+import socket
 import tempfile
+import threading
+import time
 
 from absl import logging
 import jax
 import ml_collections
+
+LOCK_NAME = 'run.lock'
+# A live run refreshes its lock's modification time this often; a lock not
+# refreshed for STALE_LOCK_SECONDS belongs to a dead run (killed, or its node
+# lost) and the next run takes it over. On the lock's own host a dead holder
+# is seen at once (its process is gone).
+LOCK_REFRESH_SECONDS = 30
+STALE_LOCK_SECONDS = 300
 
 
 class WorkdirError(RuntimeError):
@@ -43,9 +60,37 @@ def check_workdir(workdir: str) -> str:
   return workdir
 
 
+def new_folders(workdir: str) -> list[str]:
+  """The folders `check_workdir` would create: what a failed start must not leave behind."""
+  folders, folder = [os.path.join(os.path.abspath(workdir), 'checkpoints')], os.path.abspath(workdir)
+  while not os.path.isdir(folder):  # The workdir and its missing parents.
+    folders.append(folder)
+    folder = os.path.dirname(folder)
+  return [f for f in folders if not os.path.isdir(f)]
+
+
+def remove_if_empty(folders: list[str]) -> None:
+  """Removes those of `folders` (deepest first) that are empty: a start that failed
+  before writing anything leaves no folders behind."""
+  for folder in sorted(folders, key=len, reverse=True):
+    try:
+      os.rmdir(folder)
+    except OSError:  # Not empty, or already gone.
+      pass
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
 def write_json_atomically(path: str, text: str) -> None:
+  """`text` into `path` whole or not at all, with the umask's permissions (mkstemp's
+  are 0600, private to the user)."""
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix='.tmp')
   try:
+    os.fchmod(fd, 0o666 & ~_umask())
     with os.fdopen(fd, 'w') as f:
       f.write(text)
     os.replace(tmp, path)
@@ -63,11 +108,13 @@ class MetricsLog:
   def __init__(self, workdir: str):
     # Imported here: clu's writers pull in TensorFlow, which the training step,
     # the benchmark and the API do not need (a GPU image may not have it).
-    from clu import metric_writers  # pylint: disable=g-import-not-at-top
     self._is_main = jax.process_index() == 0
-    self._writer = metric_writers.create_default_writer(
-        workdir, just_logging=not self._is_main)
+    self._writer = self._create_writer(workdir)
     self._path = os.path.join(workdir, 'metrics.jsonl')
+
+  def _create_writer(self, workdir: str):
+    from clu import metric_writers  # pylint: disable=g-import-not-at-top
+    return metric_writers.create_default_writer(workdir, just_logging=not self._is_main)
 
   def write(self, step: int, split: str, metrics: dict[str, float]):
     scalars = {f'{split}/{k}': float(v) for k, v in metrics.items()}
@@ -96,6 +143,26 @@ class MetricsLog:
       logging.info('Dropping %d rows after step %d from %s.', len(lines) - len(kept),
                    step, self._path)
       write_json_atomically(self._path, ''.join(kept))
+      self._rebuild_events(kept)
+
+  def _rebuild_events(self, lines: list[str]) -> None:
+    """TensorBoard's event files rewritten from the kept rows of `metrics.jsonl`.
+
+    Event files cannot drop what the killed run logged after its last
+    checkpoint, and the resumed run logs those steps again: without this,
+    TensorBoard would show them twice.
+    """
+    workdir = os.path.dirname(self._path)
+    self._writer.close()
+    for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
+      os.remove(path)
+    self._writer = self._create_writer(workdir)
+    for line in lines:
+      row = json.loads(line)
+      step = row.pop('step')
+      row.pop('split', None)
+      self._writer.write_scalars(step, row)
+    self._writer.flush()
 
   def _keep(self, line: str, step: int) -> bool:
     if not line.endswith('\n'):
@@ -114,3 +181,118 @@ class MetricsLog:
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
   """`<workdir>/config.json`: what `api.load_config` and resume mismatch messages read."""
   write_json_atomically(os.path.join(workdir, 'config.json'), config.to_json_best_effort())
+
+
+class RunLock:
+  """One training run per workdir: `<workdir>/run.lock`, held while the run lives.
+
+  The lock file is created atomically (O_EXCL, on a shared filesystem too) and
+  names its holder; a thread refreshes its modification time every
+  LOCK_REFRESH_SECONDS. A second run finds it and stops at once with a
+  `WorkdirError` naming the holder, unless the holder is dead: its process is
+  gone (same host), or the lock has not been refreshed for STALE_LOCK_SECONDS
+  (another host); then the lock is taken over, and the takeover logged.
+  """
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, LOCK_NAME)
+    self._stop = threading.Event()
+    self._thread = None
+
+  def __enter__(self):
+    if jax.process_index() != 0:  # Process 0 holds it for the whole multi-process run.
+      return self
+    me = {'host': socket.gethostname(), 'pid': os.getpid(), 'started': time.time(),
+          'started_at': datetime.datetime.now().isoformat(timespec='seconds')}
+    while True:
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+      except FileExistsError:
+        holder, age = self._holder()
+        dead = self._dead(holder, age)
+        if dead is None:
+          raise WorkdirError(self._in_use(holder, age)) from None
+        self._take_over(holder, dead)
+        continue
+      except OSError as e:
+        raise WorkdirError(f'Cannot create {self.path} ({e.strerror or e}). Choose another '
+                           '--workdir or make this one writable.') from None
+      with os.fdopen(fd, 'w') as f:
+        json.dump(me, f)
+      break
+    self._thread = threading.Thread(target=self._refresh, daemon=True, name='run-lock')
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    if self._thread is None:
+      return
+    self._stop.set()
+    self._thread.join()
+    holder, _ = self._holder()
+    if holder.get('pid') == os.getpid() and holder.get('host') == socket.gethostname():
+      os.remove(self.path)
+
+  def _refresh(self):
+    while not self._stop.wait(LOCK_REFRESH_SECONDS):
+      try:
+        os.utime(self.path)
+      except OSError as e:  # The run goes on; a later run may then take the lock over.
+        logging.warning('Cannot refresh %s: %s', self.path, e)
+
+  def _holder(self) -> tuple[dict, float]:
+    """(the holder's record, or {} while it is being written; seconds since its last
+    sign of life)."""
+    try:
+      age = time.time() - os.stat(self.path).st_mtime
+      with open(self.path) as f:
+        return json.load(f), age
+    except FileNotFoundError:
+      return {}, 0.0
+    except (OSError, ValueError):
+      return {}, age
+
+  @staticmethod
+  def _dead(holder: dict, age: float) -> str | None:
+    """Why the holder is dead, or None if it may be alive."""
+    if age > STALE_LOCK_SECONDS:
+      return f'no sign of life for {age:.0f} s'
+    if holder.get('host') == socket.gethostname() and holder.get('pid'):
+      try:
+        os.kill(holder['pid'], 0)
+      except ProcessLookupError:
+        return f'process {holder["pid"]} is gone'
+      except PermissionError:  # Alive, another user's.
+        pass
+    return None
+
+  def _in_use(self, holder: dict, age: float) -> str:
+    who = (f'host {holder.get("host", "?")}, process {holder.get("pid", "?")}, started '
+           f'{holder.get("started_at", "?")}' if holder else 'a run that is just starting')
+    return (f'{os.path.dirname(self.path)} is in use by another training run ({who}; its '
+            f'lock {self.path} was refreshed {age:.0f} s ago). Wait for that run to end or '
+            'stop it, or use another --workdir. If it is dead, its lock is taken over '
+            f'{STALE_LOCK_SECONDS} s after its last refresh (or delete the file).')
+
+  def _take_over(self, holder: dict, why: str) -> None:
+    # Renamed to a name of our own first: of two runs taking over at once, one
+    # rename succeeds; the other finds the lock gone, or the new holder's.
+    stale = f'{self.path}.stale.{socket.gethostname()}.{os.getpid()}'
+    try:
+      os.rename(self.path, stale)
+    except FileNotFoundError:
+      return
+    try:
+      with open(stale) as f:
+        renamed = json.load(f)
+    except (OSError, ValueError):
+      renamed = {}
+    if renamed != holder:  # A live run's new lock: put it back (unless yet another is there).
+      try:
+        os.link(stale, self.path)
+      except OSError:
+        pass
+      os.remove(stale)
+      return
+    logging.warning('Taking over the lock of a dead run (%s): %s.', why, holder or 'unreadable')
+    os.remove(stale)

@@ -1,4 +1,14 @@
-"""Shared fixtures: a tiny HyperTransformer, random episodes, real Omniglot."""
+"""Shared fixtures: a tiny HyperTransformer, random episodes, real Omniglot.
+
+Tolerances. The suite passes on any x86-64 CPU (with or without AVX-512) and on
+a GPU host. Two results of the same compiled program on the same machine are
+compared bit for bit (resume, restore, the same seed twice); two different
+compiled paths (a scan against a plain apply, vmap against a loop, a C++ kernel
+against XLA, one device against several) at float32 rounding: about 1e-5
+relative or absolute, more only where the test says why (sums of many terms,
+a few training steps). An accuracy moves by whole queries: a rounding-level
+flip of one argmax is the tolerance there.
+"""
 
 import pathlib
 import time

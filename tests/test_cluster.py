@@ -1,0 +1,168 @@
+"""Cluster habits (issue 21): double submission, Ctrl-C, group-readable files, config
+paths, no --workdir, failed starts; each through the real CLI in a subprocess."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from cht_jax import preemption
+from cht_jax import workdir as workdir_lib
+from conftest import REPO_ROOT
+from test_reliability import complete_steps, env, error_line, finish, run, start  # pylint: disable=unused-import
+from test_reliability import trained_steps, wait_for
+
+STEPS = ('--config.train.checkpoint_every_steps=4', '--config.train.log_every_steps=1')
+
+
+def rows(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_a_second_run_on_a_workdir_in_use_stops_at_once(tmp_path, prepared_omniglot, env):
+  workdir = str(tmp_path / 'work')
+  first = start(env, workdir, prepared_omniglot, *STEPS, '--config.train.num_steps=12')
+  lock = os.path.join(workdir, workdir_lib.LOCK_NAME)
+  assert wait_for(lambda: os.path.exists(lock), first), finish(first, workdir)[1][-3000:]
+  began = time.time()
+  rc, log = run(env, str(tmp_path / 'work'), prepared_omniglot, *STEPS,
+                '--config.train.num_steps=12')
+  assert rc == 1 and time.time() - began < 60
+  line = error_line(log, 'WorkdirError')
+  assert line.startswith(f'WorkdirError: {workdir} is in use by another training run (host ')
+  assert f'process {first.pid}, started ' in line and 'use another --workdir' in line
+  rc, log = finish(first, workdir)
+  assert rc == 0, log[-3000:]
+  steps = [r['step'] for r in rows(workdir) if r['split'] == 'train']
+  assert steps == list(range(1, 13))  # Nothing twice, nothing lost.
+  assert complete_steps(workdir)[-1] == 12 and not os.path.exists(lock)
+
+
+def test_the_lock_of_a_dead_run_is_taken_over(tmp_path, prepared_omniglot, env):
+  workdir = str(tmp_path / 'work')
+  os.makedirs(workdir)
+  dead = subprocess.Popen(['true'])
+  dead.wait()
+  with open(os.path.join(workdir, workdir_lib.LOCK_NAME), 'w') as f:
+    json.dump({'host': os.uname().nodename, 'pid': dead.pid, 'started_at': 'earlier'}, f)
+  rc, log = run(env, workdir, prepared_omniglot, '--config.train.num_steps=2')
+  assert rc == 0, log[-3000:]
+  assert f'Taking over the lock of a dead run (process {dead.pid} is gone)' in log
+  assert not os.path.exists(os.path.join(workdir, workdir_lib.LOCK_NAME))
+
+
+def test_ctrl_c_checkpoints_the_current_step(tmp_path, prepared_omniglot, env):
+  workdir = str(tmp_path / 'work')
+  process = start(env, workdir, prepared_omniglot, *STEPS, '--config.train.num_steps=400')
+  assert wait_for(lambda: len(trained_steps(workdir)) >= 5, process), finish(
+      process, workdir)[1][-3000:]
+  process.send_signal(signal.SIGINT)
+  rc, log = finish(process, workdir)
+  assert rc == preemption.INTERRUPTED_EXIT_CODE == 130, log[-3000:]
+  assert 'Traceback' not in log and 'KeyboardInterrupt' not in log
+  line = error_line(log, 'Interrupted')
+  assert line.startswith('Interrupted: Stopped by SIGINT after step ')
+  step = int(line.split('after step ')[1].split(',')[0])
+  assert step in complete_steps(workdir) and step % 4  # Saved although not a save step.
+
+
+def test_files_follow_the_umask(tmp_path, prepared_omniglot, env):
+  workdir = str(tmp_path / 'work')
+  argv = [sys.executable, '-m', 'cht_jax.main', '--config=configs/omniglot_t2.py:tiny',
+          f'--workdir={workdir}', f'--config.data.data_dir={prepared_omniglot}',
+          '--config.train.num_steps=2']
+  result = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300, preexec_fn=lambda: os.umask(0o022))
+  assert result.returncode == 0, result.stderr[-3000:]
+  for name in ('config.json', 'metrics.jsonl'):
+    assert os.stat(os.path.join(workdir, name)).st_mode & 0o777 == 0o644, name
+  saved = [p for p in glob.glob(os.path.join(workdir, 'checkpoints', '**'), recursive=True)
+           if os.path.isfile(p)]
+  assert saved and all(os.stat(p).st_mode & 0o044 == 0o044 for p in saved)  # Group, others read.
+  # A resume that drops rows rewrites metrics.jsonl: still the umask's mode.
+  old = os.umask(0o022)
+  try:
+    log = workdir_lib.MetricsLog(workdir)
+    log.drop_after(1)
+    log.close()
+  finally:
+    os.umask(old)
+  assert os.stat(os.path.join(workdir, 'metrics.jsonl')).st_mode & 0o777 == 0o644
+
+
+def test_config_by_absolute_path_from_another_directory_and_no_workdir(
+    tmp_path, prepared_omniglot, env):
+  config = os.path.join(REPO_ROOT, 'configs', 'omniglot_t2.py')
+  argv = [sys.executable, '-m', 'cht_jax.main', f'--config={config}:tiny',
+          f'--config.data.data_dir={prepared_omniglot}', '--config.train.num_steps=2',
+          '--config.train.eval_every_steps=0']
+  result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  workdir = str(tmp_path / 'workdirs' / 'omniglot_t2_tiny')
+  assert f'No --workdir given: using {workdir}' in result.stderr
+  assert complete_steps(workdir) == [2]
+  # Orbax's INFO chatter is off: the log's INFO lines are ours, TFDS's and JAX's.
+  assert 'checkpoint_manager.py' not in result.stderr
+  assert 'async_checkpointer' not in result.stderr
+
+
+def test_a_failed_start_leaves_no_folders_behind(tmp_path, env):
+  empty = tmp_path / 'no_archives'
+  empty.mkdir()
+  workdir = tmp_path / 'new' / 'work'
+  rc, log = run(env, str(workdir), str(tmp_path / 'tfds'),
+                f'--config.data.manual_dir={empty}')
+  assert rc == 1 and error_line(log, 'DataError')
+  assert not (tmp_path / 'new').exists()
+
+
+def test_evaluation_needs_are_reported_at_start(tmp_path, prepared_omniglot, env):
+  rc, log = run(env, str(tmp_path / 'work'), prepared_omniglot, '--config.train.num_steps=1',
+                '--config.episode.num_tasks=150')  # 3 ways x 150 tasks > 423 test classes.
+  assert rc == 0, log[-3000:]
+  assert ('The evaluation protocol cannot run on this config as it is: episode.ways * '
+          "episode.num_tasks = 3 * 150 = 450 distinct classes per episode") in log
+
+
+def test_orbax_info_and_tracebacks_are_filtered_unless_verbose():
+  import logging  # pylint: disable=g-import-not-at-top
+  from cht_jax import checkpoints  # pylint: disable=g-import-not-at-top
+  quiet = checkpoints._QuietOrbax()  # pylint: disable=protected-access
+  record = lambda path, level, exc=None: logging.LogRecord('absl', level, path, 1, 'm', (), exc)
+  orbax = os.path.join(os.sep, 'site-packages', 'orbax', 'checkpoint', 'checkpoint_manager.py')
+  assert not quiet.filter(record(orbax, logging.INFO))
+  error = record(orbax, logging.ERROR, (ValueError, ValueError('x'), None))
+  assert quiet.filter(error) and error.exc_info is None  # The line, not its traceback.
+  ours = record(os.path.join(os.sep, 'cht_jax', 'train.py'), logging.INFO)
+  assert quiet.filter(ours)
+
+
+def tensorboard_points(workdir):
+  """(tag, step) of every scalar in the workdir's event files."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  points = []
+  for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      points += [(value.tag, event.step) for value in event.summary.value]
+  return points
+
+
+def test_a_resume_leaves_tensorboard_with_each_step_once(tmp_path):
+  workdir = str(tmp_path)
+  log = workdir_lib.MetricsLog(workdir)  # A run that logged steps 1..8, killed after 4's save.
+  for step in range(1, 9):
+    log.write(step, 'train', {'loss': float(step)})
+  log.close()
+  log = workdir_lib.MetricsLog(workdir)  # The resumed run logs 5..8 again.
+  log.drop_after(4)
+  for step in range(5, 9):
+    log.write(step, 'train', {'loss': 10.0 + step})
+  log.close()
+  points = tensorboard_points(workdir)
+  assert sorted(points) == [('train/loss', s) for s in range(1, 9)]
+  assert [r['train/loss'] for r in rows(workdir)] == [1, 2, 3, 4, 15, 16, 17, 18]
