@@ -32,6 +32,7 @@ from typing import Any
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -206,7 +207,7 @@ def run_protocol(method: methods.Method, params, class_images, protocol: Protoco
     # The last batch is padded with episodes past `num`, dropped below: one
     # compiled shape for all batches.
     indices = jnp.arange(b * size, (b + 1) * size, dtype=jnp.int32)
-    outputs.append(jax.device_get(evaluate_batch(params, class_images, key, indices)))
+    outputs.append(_fetch(evaluate_batch(params, class_images, key, indices)))
     if first_seconds is None:
       first_seconds = time.perf_counter() - start
     done = min((b + 1) * size, num)
@@ -231,6 +232,14 @@ def run_protocol(method: methods.Method, params, class_images, protocol: Protoco
 # --------------------------------------------------------------------------
 # Results.
 # --------------------------------------------------------------------------
+
+
+def _fetch(batch_outputs):
+  """The whole batch's outputs on this host: with several processes each holds only
+  its devices' episodes, and every process gets all of them."""
+  if jax.process_count() == 1:
+    return jax.device_get(batch_outputs)
+  return multihost_utils.process_allgather(batch_outputs, tiled=True)
 
 
 def summarize(per_episode: dict[str, np.ndarray], trained_tasks: int) -> dict[str, Any]:
@@ -356,6 +365,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   results.update(workdir=os.path.abspath(workdir), step=step,
                  config=json.loads(config.to_json_best_effort()))
   prefix = reports.result_prefix(workdir, protocol, step)
+  if jax.process_index() != 0:  # Every process has the results; process 0 writes them.
+    return results, []
   paths = reports.write_results(results, prefix, plot=plot)
   if embeddings and isinstance(method, methods.base.EpisodicMethod):
     report = embedding_report(config, params, protocol, prefix + '_embeddings.png', embeddings)

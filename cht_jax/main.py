@@ -63,9 +63,18 @@ flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 (defaul
                     'from the cluster environment).')
 flags.DEFINE_integer('num_processes', None, 'Number of processes (default: from the cluster).')
 flags.DEFINE_integer('process_id', None, 'This process (default: from the cluster).')
+flags.DEFINE_integer('heartbeat_timeout_seconds', 100, 'With --distributed: a process silent '
+                     'this long is taken for lost, and the others stop.')
 config_flags.DEFINE_config_file('config', None, 'A config file (see configs/).',
                                 lock_config=True)
 flags.mark_flags_as_required(['config'])
+
+
+def lost_process(error: Exception) -> bool:
+  """Whether `error` says another process of the job is gone (its collective broke)."""
+  text = str(error)
+  return any(s in text for s in ('Gloo', 'heartbeat', 'Connection reset', 'UNAVAILABLE',
+                                 'connection closed', 'Socket closed'))
 
 
 def default_workdir(config_flag: str) -> str:
@@ -88,7 +97,8 @@ def main(argv):
   if FLAGS.distributed:
     jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
                                num_processes=FLAGS.num_processes,
-                               process_id=FLAGS.process_id)
+                               process_id=FLAGS.process_id,
+                               heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
   logging.info('JAX %s, process %d/%d, devices: %s', jax.__version__,
                jax.process_index(), jax.process_count(), jax.devices())
   try:
@@ -109,6 +119,17 @@ def main(argv):
   except preemption.Preempted as e:
     print(f'{e.label}: {e}', file=sys.stderr)
     return e.exit_code
+  except Exception as e:  # pylint: disable=broad-except
+    if jax.process_count() == 1 or not lost_process(e):
+      raise
+    me, count = jax.process_index(), jax.process_count()
+    other = f'process {1 - me}' if count == 2 else 'another process'
+    print(f'LostProcessError: process {me} of {count} lost contact with {other} of this '
+          f'job ({" ".join(str(e).split())[:200]}). Stopping; the complete checkpoints in '
+          f'{os.path.abspath(workdir)}/checkpoints are kept: restart all {count} processes '
+          'with the same command to resume from the latest.', file=sys.stderr, flush=True)
+    # Not a normal exit: JAX's shutdown would wait on the lost process, then abort.
+    os._exit(1)  # pylint: disable=protected-access
   except KeyboardInterrupt:  # Ctrl-C before training's first step: nothing to save.
     print('Interrupted before training started; no checkpoint was written by this run.',
           file=sys.stderr)

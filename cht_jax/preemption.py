@@ -4,6 +4,11 @@ The loop checkpoints the step in progress and raises `Preempted`; `main`
 prints its one line and exits with its `exit_code`: 143 (128 + SIGTERM), the
 status schedulers read as "terminated, requeue me", or 130 after Ctrl-C. A
 second Ctrl-C ends the process at once, without a checkpoint.
+
+With several processes (jax.distributed) they must stop at the same step:
+JAX's preemption service catches SIGTERM in any of them and agrees on a step
+(`multihost_utils.reached_preemption_sync_point`, asked at every step); Ctrl-C
+is turned into a SIGTERM to itself so that it takes the same path.
 """
 
 import os
@@ -12,6 +17,8 @@ import sys
 import threading
 
 from absl import logging
+import jax
+from jax.experimental import multihost_utils
 
 EXIT_CODE = 128 + signal.SIGTERM
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
@@ -33,10 +40,23 @@ class SignalFlag:
   """
 
   def __init__(self, signums=(signal.SIGTERM, signal.SIGINT)):
-    self._signums = signums
+    self._multiprocess = jax.process_count() > 1
+    # SIGTERM is the preemption service's where there are several processes.
+    self._signums = tuple(s for s in signums
+                          if not (self._multiprocess and s == signal.SIGTERM))
     self._previous = {}
     self.received = False
     self.signum = None
+
+  def stop_at(self, step: int) -> bool:
+    """Whether to checkpoint `step` and stop: a signal arrived (with several
+    processes: all of them have agreed on this step). Call once at every step."""
+    if not self._multiprocess:
+      return self.received
+    if multihost_utils.reached_preemption_sync_point(step):
+      self.signum = self.signum or signal.SIGTERM
+      return True
+    return False
 
   @property
   def name(self) -> str:
@@ -53,6 +73,8 @@ class SignalFlag:
       logging.warning('Received %s: checkpointing and stopping after this step%s.',
                       signal.Signals(signum).name,
                       ' (Ctrl-C again to exit at once)' if signum == signal.SIGINT else '')
+      if self._multiprocess:  # Through the preemption service, to all processes.
+        os.kill(os.getpid(), signal.SIGTERM)
     self.received = True
 
   def __enter__(self):

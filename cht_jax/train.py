@@ -300,7 +300,7 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
   logging.info('%s: training steps %d..%d, %d per step on %d device(s).',
                method.display_name, first_step, num_steps, method.batch_size,
                mesh.devices.size)
-  if signals.received:
+  if signals.received and jax.process_count() == 1:  # Several: they agree at step 1.
     kept = (f'the checkpoint of step {first_step} is kept' if first_step else
             'no step had been trained')
     raise preemption.Preempted(f'Stopped by {signals.name} before training step '
@@ -323,7 +323,7 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
                                           inputs)
     pending.append((step, metrics))
     last = step == num_steps
-    stop = signals.received  # Read once: the signal may arrive at any moment.
+    stop = signals.stop_at(step)  # Read once: the signal may arrive at any moment.
     do_log = step % tc.log_every_steps == 0 or last or stop
     do_eval = tc.eval_every_steps and (step % tc.eval_every_steps == 0 or last)
     do_save = step % tc.checkpoint_every_steps == 0 or last or stop
