@@ -46,6 +46,7 @@ from cht_jax import reports
 from cht_jax import workdir as workdir_lib
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
+from cht_jax.data import omniglot
 
 DEFAULT_SEED = 0  # Evaluation episodes; independent of config.seed.
 MATRICES = reports.MATRICES
@@ -116,6 +117,23 @@ def evaluation_spec(config: ml_collections.ConfigDict, protocol: Protocol,
   """
   return datasets.episode_spec(config, domain_sizes)._replace(
       num_tasks=protocol.num_tasks, queries_per_class=protocol.queries_per_class)
+
+
+def warn_if_evaluation_cannot_run(config: ml_collections.ConfigDict) -> list[str]:
+  """Logs (and returns) what keeps the default evaluation protocol (`--mode=eval`, the
+  test split, T tasks) from running on this config, where the class counts are known
+  without reading data: training can run, but its model could not be scored."""
+  counts = {'omniglot': lambda: len(omniglot.class_split(
+      config.data.split_scheme, config.data.split_seed)['test'])}
+  if config.data.dataset not in counts:
+    return []
+  spec = evaluation_spec(config, default_protocol(config))
+  problems = episodes_lib.spec_problems(spec, counts[config.data.dataset](),
+                                        split="the 'test' split")
+  for problem in problems:
+    logging.warning('The evaluation protocol cannot run on this config as it is: %s '
+                    '--mode=eval would need a smaller --eval_tasks.', problem)
+  return problems
 
 
 # --------------------------------------------------------------------------

@@ -196,17 +196,6 @@ def make_validation(method: methods.Method, class_images, domain_sizes=()):
   return validate
 
 
-def _window_means(rows: list[tuple[int, dict[str, float]]], elapsed: float,
-                  episodes_per_step: int) -> dict[str, float]:
-  """Mean metrics over the steps of a log window that were not skipped."""
-  kept = [m for _, m in rows if not m['skipped']] or [m for _, m in rows]
-  means = {k: float(np.mean([m[k] for m in kept])) for k in kept[0] if k != 'skipped'}
-  means['skipped_steps'] = float(sum(m['skipped'] for _, m in rows))
-  means['steps_per_sec'] = len(rows) / elapsed
-  means['episodes_per_sec'] = len(rows) * episodes_per_step / elapsed
-  return means
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        dataset: dict[str, np.ndarray] | None = None) -> dict[str, float]:
   """Trains `config.method`, checkpointing into `workdir` and resuming from it.
@@ -236,26 +225,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     workdir_lib.remove_if_empty(created)
 
 
-def warn_if_evaluation_cannot_run(config: ml_collections.ConfigDict) -> list[str]:
-  """Logs (and returns) what keeps the default evaluation protocol (`--mode=eval`, the
-  test split, T tasks) from running on this config, where the class counts are known
-  without reading data: training can run, but its model could not be scored."""
-  counts = {'omniglot': lambda: len(omniglot.class_split(
-      config.data.split_scheme, config.data.split_seed)['test'])}
-  if config.data.dataset not in counts:
-    return []
-  spec = evaluate.evaluation_spec(config, evaluate.default_protocol(config))
-  problems = episodes_lib.spec_problems(spec, counts[config.data.dataset](),
-                                        split="the 'test' split")
-  for problem in problems:
-    logging.warning('The evaluation protocol cannot run on this config as it is: %s '
-                    '--mode=eval would need a smaller --eval_tasks.', problem)
-  return problems
-
-
 def _train(config, workdir, dataset) -> dict[str, float]:
   """`train_and_evaluate` once the workdir is this run's."""
-  warn_if_evaluation_cannot_run(config)
+  evaluate.warn_if_evaluation_cannot_run(config)
   method = methods.build(config, None if dataset is None else len(dataset['train']))
   optimizer = method_optimizer(method)
   mesh = devices.data_mesh(method.batch_size)
@@ -336,7 +308,7 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
     if reason:
       raise _divergence_error(reason, manager, tc.on_divergence)
     if do_log:
-      last_metrics = _window_means(window, time.perf_counter() - window_start,
+      last_metrics = workdir_lib.window_means(window, time.perf_counter() - window_start,
                                    tc.episodes_per_step)
       log.write(step, 'train', last_metrics)
       logging.info('step %d/%d: %s, %.2f steps/s', step, num_steps, ', '.join(

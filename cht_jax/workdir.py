@@ -22,6 +22,7 @@ import time
 from absl import logging
 import jax
 import ml_collections
+import numpy as np
 
 LOCK_NAME = 'run.lock'
 # A live run refreshes its lock's modification time this often; a lock not
@@ -98,6 +99,18 @@ def write_json_atomically(path: str, text: str) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def window_means(rows: list[tuple[int, dict[str, float]]], elapsed: float,
+                  episodes_per_step: int) -> dict[str, float]:
+  """What the log writes for a window of steps: the means over its steps that were not
+  skipped (divergence.py), how many were, and the throughput."""
+  kept = [m for _, m in rows if not m['skipped']] or [m for _, m in rows]
+  means = {k: float(np.mean([m[k] for m in kept])) for k in kept[0] if k != 'skipped'}
+  means['skipped_steps'] = float(sum(m['skipped'] for _, m in rows))
+  means['steps_per_sec'] = len(rows) / elapsed
+  means['episodes_per_sec'] = len(rows) * episodes_per_step / elapsed
+  return means
 
 
 class MetricsLog:
