@@ -75,8 +75,9 @@ def test_files_follow_the_umask(tmp_path, prepared_omniglot, env):
   argv = [sys.executable, '-m', 'cht_jax.main', '--config=configs/omniglot_t2.py:tiny',
           f'--workdir={workdir}', f'--config.data.data_dir={prepared_omniglot}',
           '--config.train.num_steps=2']
-  result = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=300, preexec_fn=lambda: os.umask(0o022))
+  # Through a shell: preexec_fn would fork this multithreaded (JAX) process.
+  result = subprocess.run(['/bin/sh', '-c', 'umask 022 && exec "$@"', 'sh', *argv],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   for name in ('config.json', 'metrics.jsonl'):
     assert os.stat(os.path.join(workdir, name)).st_mode & 0o777 == 0o644, name
