@@ -130,6 +130,11 @@ def test_a_lost_process_stops_the_other_with_its_name(tmp_path, prepared_omniglo
                                   options=ocp.CheckpointManagerOptions(read_only=True))
   assert manager.latest_step() == steps[-1]
   manager.close()
+  # Both gone now: restarted, both resume from the latest complete checkpoint.
+  rc, log = finish(launch(env, log_path, workdir, prepared_omniglot,
+                          f'--config.train.num_steps={steps[-1] + 1}'), log_path)
+  assert rc == 0, log[-3000:]
+  assert log.count(f'Resuming from the checkpoint of step {steps[-1]}') == 2
 
 
 STUB = '''#!/bin/bash
