@@ -13,8 +13,12 @@ new support set and the weights it wrote before (DESIGN.md 1.1, 1.4).
 
 Images are [N, H, W, C] (or [N, H, W] for one channel) of the model's size
 (Omniglot configs: 28 x 28 x 1): uint8 0..255 (normalised here as in
-training, x / 128 - 1) or float32 already normalised. Labels are 0..K-1, K
-the model's `episode.ways`; any number of shots per class.
+training, x / 128 - 1) or floats already normalised (about -1..1; floats
+beyond +-1.5 are refused as not normalised). Labels are integers 0..K-1, K
+the model's `episode.ways`, each class at least once; any number of shots
+per class. A support set may also hold images without labels
+(`learn_task(..., unlabeled_images=...)`, HT's semi-supervised setting): the
+HyperTransformer reads them, the prototypes do not.
 
 The CNN normalises each batch with that batch's own statistics (BatchNorm
 without running averages, as in the paper): classify batches that look like
@@ -25,6 +29,7 @@ not single images.
 import functools
 import json
 import os
+import re
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -32,6 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from cht_jax import checkpoints
 from cht_jax import continual
 from cht_jax import evaluate
 from cht_jax import losses
@@ -75,7 +81,8 @@ class Memory(NamedTuple):
 
 
 def compile_generator(ht: ht_lib.HyperTransformer, params: Any):
-  """`generate(support_images, support_labels, theta_prev) -> (theta_t, prototypes [K, D])`.
+  """`generate(support_images, support_labels, theta_prev, unlabeled_images=None)
+  -> (theta_t, prototypes [K, D])`.
 
   One task's `continual.generate_task`, jitted with the parameters as
   constants of the compiled program rather than arguments: a call then skips
@@ -83,8 +90,8 @@ def compile_generator(ht: ht_lib.HyperTransformer, params: Any):
   parameters alone. 1.38 against 1.68-1.72 ms per Omniglot task on the 2-core
   CPU (docs/performance.md); the numbers are equal up to float rounding.
   """
-  return jax.jit(lambda images, labels, theta_prev: continual.generate_task(
-      ht, params, images, labels, theta_prev))
+  return jax.jit(lambda images, labels, theta_prev, unlabeled=None: continual.generate_task(
+      ht, params, images, labels, theta_prev, unlabeled))
 
 
 def model_from_params(config: ml_collections.ConfigDict, params: Any,
@@ -117,29 +124,99 @@ def load_model(workdir: str, config: ml_collections.ConfigDict | None = None,
     step: the checkpoint step; None for the latest.
 
   Raises:
-    checkpoints.CheckpointError (cht_jax/checkpoints.py): no checkpoint, or one of another config.
+    FileNotFoundError: `workdir` does not exist, or holds no config.json and
+      `config` is None.
+    checkpoints.CheckpointError (cht_jax/checkpoints.py): no checkpoint (of
+      `step`), or one of another config.
   """
+  if not os.path.isdir(workdir):
+    raise FileNotFoundError(
+        f'load_model: the workdir {os.path.abspath(workdir)} does not exist. Pass the '
+        "folder a training run wrote its checkpoints to, e.g. "
+        "load_model('workdirs/omniglot_t5').")
   if config is None:
     config = load_config(workdir)
   if methods.method_name(config) != 'cht':
     raise ValueError(f'{workdir} holds a {methods.display_name(config)} model; the API '
                      'generates weights with a trained CHT (config.method = cht).')
-  params, step = evaluate.restore_params(workdir, config, step)
+  try:
+    params, step = evaluate.restore_params(workdir, config, step)
+  except checkpoints.CheckpointError as e:
+    raise checkpoints.CheckpointError(_python_words(str(e))) from None
   return model_from_params(config, params, step)
 
 
-def preprocess(model: Model, images) -> jax.Array:
-  """[N, H, W, C] (or [N, H, W]) uint8 or normalised float -> float32 [N, H, W, C]."""
+# What the checkpoint errors, written for the command line, say in flags, and
+# what a caller of `load_model` passes instead.
+_PYTHON_WORDS = (
+    (r'Evaluate with the config \(and --config\.\* overrides\) the model was trained with; '
+     r'training saved it as (\S+)\.(?=\s|$)',
+     r'Pass load_model the config the model was trained with (config=...), or config=None '
+     r'for the copy training saved as \1.'),
+    (r'--checkpoint_step', 'load_model(..., step=N)'),
+    (r'the --workdir\b', 'the workdir'),
+    (r'--config\.\* overrides', 'changes to the config'),
+)
+
+
+def _python_words(message: str) -> str:
+  """A checkpoint error's message with load_model's arguments for the CLI flags."""
+  for pattern, words in _PYTHON_WORDS:
+    message = re.sub(pattern, words, message)
+  return message
+
+
+# Normalised images (x / 128 - 1) lie in [-1, 0.9921875]; beyond this bound,
+# floats are taken for unnormalised pixels (e.g. 0..255) rather than mistakes
+# of rounding or augmentation.
+NORMALISED_BOUND = 1.5
+
+
+def preprocess(model: Model, images, name: str = 'images') -> jax.Array:
+  """[N, H, W, C] (or [N, H, W]) uint8 or normalised float -> float32 [N, H, W, C].
+
+  `name` is the argument the messages of a ValueError name.
+  """
   images = jnp.asarray(images)
   if images.ndim == 3:
     images = images[..., None]
   if images.ndim != 4 or tuple(images.shape[1:]) != tuple(model.image_shape):
-    raise ValueError(f'Images must be [N, {", ".join(map(str, model.image_shape))}] '
+    raise ValueError(f'{name} must be [N, {", ".join(map(str, model.image_shape))}] '
                      f'for this model, got shape {tuple(images.shape)}. Resize them '
                      '(Omniglot: bilinear to the config\'s data.image_size).')
   if images.dtype == jnp.uint8:
     return episodes_lib.normalize(images)
+  if images.size:
+    low, high = float(jnp.min(images)), float(jnp.max(images))
+    if not -NORMALISED_BOUND <= low <= high <= NORMALISED_BOUND:
+      raise ValueError(
+          f'{name} are {images.dtype} with values in [{low:g}, {high:g}], not normalised '
+          f'images (about -1..1). Pass uint8 pixels 0..255, or normalise them as '
+          'x / 128 - 1.')
   return images.astype(jnp.float32)
+
+
+def check_labels(model: Model, labels, num_images: int) -> jax.Array:
+  """int32 [S] labels of a support set: integers, every class 0..K-1 at least once."""
+  labels = np.asarray(labels)
+  if labels.dtype.kind not in 'iu':
+    raise ValueError(f'support_labels must be integers 0..{model.num_ways - 1}, got '
+                     f'dtype {labels.dtype}. Pass an int array (e.g. labels.astype(int)).')
+  if labels.shape != (num_images,):
+    raise ValueError(f'support_labels must be [{num_images}], one per support image, got '
+                     f'shape {labels.shape}.')
+  found = np.unique(labels)
+  if found.size and (found.min() < 0 or found.max() >= model.num_ways):
+    raise ValueError(f'support_labels must be in 0..{model.num_ways - 1} '
+                     f'(the model is {model.num_ways}-way), got {found.tolist()}.')
+  missing = sorted(set(range(model.num_ways)) - set(found.tolist()))
+  if missing:
+    raise ValueError(
+        f'support_labels have no image of class{"es" if len(missing) > 1 else ""} '
+        f'{", ".join(map(str, missing))}: the model is {model.num_ways}-way and each '
+        "class's prototype is the mean of its labelled images, so every class 0.."
+        f'{model.num_ways - 1} needs at least one.')
+  return jnp.asarray(labels, jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -148,35 +225,37 @@ def _embed(cnn, theta, images):
 
 
 def learn_task(model: Model, support_images, support_labels, theta: Any = None,
-               prototypes: jax.Array | None = None) -> Memory:
+               prototypes: jax.Array | None = None, unlabeled_images=None) -> Memory:
   """theta_t and the prototypes of tasks 0..t from the support set of task t.
 
   Args:
     model: from `load_model`.
     support_images: [S, H, W, C] (see the module docstring).
-    support_labels: int [S] in 0..K-1.
+    support_labels: int [S] in 0..K-1, every class at least once.
     theta, prototypes: what `learn_task` returned for the previous task;
       None for the first task.
+    unlabeled_images: [U, H, W, C] more images of the task's classes without
+      labels, or None: the HyperTransformer reads them (the "unlabeled" label
+      embedding), the prototypes are those of the labelled images. A model
+      meta-trained with them (episode.unlabeled_per_class) is the one that
+      has learnt to use them.
 
   Returns:
     Memory(theta_t, prototypes [t+1, K, D]), which unpacks as a pair.
   """
   if (theta is None) != (prototypes is None):
     raise ValueError('Pass both theta and prototypes of the earlier tasks, or neither.')
-  images = preprocess(model, support_images)
-  labels = jnp.asarray(support_labels, jnp.int32)
-  if labels.shape != images.shape[:1]:
-    raise ValueError(f'support_labels must be [{images.shape[0]}], got {labels.shape}.')
-  found = np.unique(np.asarray(labels))
-  if found.min() < 0 or found.max() >= model.num_ways:
-    raise ValueError(f'support_labels must be in 0..{model.num_ways - 1} '
-                     f'(the model is {model.num_ways}-way), got {found.tolist()}.')
+  images = preprocess(model, support_images, 'support_images')
+  labels = check_labels(model, support_labels, images.shape[0])
+  unlabeled = None
+  if unlabeled_images is not None:
+    unlabeled = preprocess(model, unlabeled_images, 'unlabeled_images')
   if theta is None:
     theta = ht_lib.zeros_theta(model.ht.cnn, model.image_shape)
   # Placed like the parameters, so that theta_{-1} and a generated theta (an
   # output, placed) hit the same compiled function.
   theta = jax.device_put(theta, jax.tree.leaves(model.params)[0].sharding)
-  new_theta, new_prototypes = model.generate(images, labels, theta)
+  new_theta, new_prototypes = model.generate(images, labels, theta, unlabeled)
   if prototypes is not None:
     new_prototypes = jnp.concatenate([prototypes, new_prototypes[None]], axis=0)
   else:

@@ -144,6 +144,7 @@ SCHEMA: dict[str, Check] = {
     'episode.shots': _integer(1),
     'episode.queries_per_class': _integer(1),
     'episode.task_classes': _choice(episodes.TASK_CLASSES),
+    'episode.unlabeled_per_class': _integer(0),
     'model.channels': _integer(1),
     'model.num_blocks': _integer(1),
     'model.cnn_embedding_dim': _integer(1),
@@ -367,6 +368,11 @@ def _method_problems(c: ml_collections.ConfigDict) -> list[str]:
     problems.append(
         "method = 'merged_ht' merges the T tasks of an episode into one K*T-way task, so "
         "their classes must differ: episode.task_classes must be 'disjoint'.")
+  if c.method != 'cht' and c.episode.unlabeled_per_class:
+    problems.append(
+        f'episode.unlabeled_per_class = {c.episode.unlabeled_per_class}: unlabeled support '
+        f"images reach the HyperTransformer of method = 'cht' only, not method = "
+        f"{c.method!r}; set episode.unlabeled_per_class = 0.")
   if c.method == 'constpn':
     ways = c.episode.ways * c.constpn_ways_multiplier
     size = len(omniglot.class_split(c.data.split_scheme, c.data.split_seed)['train'])

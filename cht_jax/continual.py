@@ -7,6 +7,10 @@ queries of every task tau <= t embedded with theta_t: T(T+1)/2 query passes,
 run as one vmapped pass over the (t, tau) pairs rather than inside the scan
 (where fixed shapes would force T^2 passes, half of them masked away).
 
+Semi-supervised episodes carry unlabeled support images (`unlabeled_images`
+[T, U, H, W, C], absent when there are none): they reach the HyperTransformer
+of their task, never the prototypes or the loss.
+
 Everything here is for one episode; vmap over a batch of episodes.
 """
 
@@ -22,7 +26,8 @@ from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import hypertransformer as ht_lib
 
 Episode = dict[str, jax.Array]  # support_images [T, S, H, W, C], support_labels [T, S],
-                                # query_images [T, Q, H, W, C], query_labels [T, Q]
+                                # query_images [T, Q, H, W, C], query_labels [T, Q],
+                                # optional unlabeled_images [T, U, H, W, C]
 
 
 class TaskPairs(NamedTuple):
@@ -37,24 +42,29 @@ class TaskPairs(NamedTuple):
 
 
 def generate_task(ht: ht_lib.HyperTransformer, ht_params: Any, support_images: jax.Array,
-                  support_labels: jax.Array, theta_prev: Any):
+                  support_labels: jax.Array, theta_prev: Any,
+                  unlabeled_images: jax.Array | None = None):
   """theta_t = HT(S(t), theta_{t-1}) and the prototypes of task t.
 
   Args:
     support_images: [S, H, W, C]; support_labels: [S] in 0..K-1.
     theta_prev: theta_{t-1}.
+    unlabeled_images: [U, H, W, C] unlabeled support images, or None.
 
   Returns:
-    theta_t, and prototypes [K, D] computed with theta_t.
+    theta_t, and prototypes [K, D] computed with theta_t from the labelled
+    images alone (eq. 4).
   """
   theta, embeddings = ht.apply({'params': ht_params}, support_images, support_labels,
-                               theta_prev, with_support_embeddings=True)
+                               theta_prev, with_support_embeddings=True,
+                               unlabeled_images=unlabeled_images)
   return theta, losses.class_prototypes(embeddings, support_labels, ht.num_ways)
 
 
 def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
                     support_images: jax.Array, support_labels: jax.Array,
-                    theta_init: Any = None, remat: bool = True, unroll: bool = False):
+                    theta_init: Any = None, remat: bool = True, unroll: bool = False,
+                    unlabeled_images: jax.Array | None = None):
   """Runs the HyperTransformer over the tasks of one episode.
 
   Args:
@@ -65,6 +75,8 @@ def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
       memory does not grow with every intermediate of every task.
     unroll: unroll the scan over tasks (the benchmark counts FLOPs this way:
       XLA's cost analysis counts a loop's body once).
+    unlabeled_images: [T, U, H, W, C], each task's unlabeled support images;
+      None for none.
 
   Returns:
     thetas: theta_0..theta_{T-1}, each leaf stacked on a leading T axis.
@@ -74,13 +86,16 @@ def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
     theta_init = ht_lib.zeros_theta(ht.cnn, support_images.shape[2:])
 
   def task_step(theta_prev, task):
-    theta, prototypes = generate_task(ht, ht_params, *task, theta_prev)
+    images, labels, *unlabeled = task
+    theta, prototypes = generate_task(ht, ht_params, images, labels, theta_prev, *unlabeled)
     return theta, (theta, prototypes)
 
   if remat:
     task_step = jax.checkpoint(task_step)
-  _, (thetas, prototypes) = jax.lax.scan(
-      task_step, theta_init, (support_images, support_labels), unroll=unroll)
+  tasks = (support_images, support_labels)
+  if unlabeled_images is not None:
+    tasks += (unlabeled_images,)
+  _, (thetas, prototypes) = jax.lax.scan(task_step, theta_init, tasks, unroll=unroll)
   return thetas, prototypes
 
 
@@ -182,7 +197,7 @@ def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
   """
   thetas, prototypes = generate_thetas(
       ht, ht_params, episode['support_images'], episode['support_labels'], remat=remat,
-      unroll=unroll)
+      unroll=unroll, unlabeled_images=episode.get('unlabeled_images'))
   pairs = TaskPairs.lower_triangle(episode['support_images'].shape[0])
   return pairs_loss(ht.cnn, thetas, prototypes, episode, loss, pairs, remat, vectorize)
 

@@ -419,7 +419,8 @@ def embedding_report(config: ml_collections.ConfigDict, params: Any, protocol: P
     episode = episodes_lib.sample_evaluation_episode(
         jax.random.fold_in(jax.random.key(protocol.seed), 0), class_images, spec, 1)
     thetas, prototypes = method.thetas_and_prototypes(
-        params, episode['support_images'], episode['support_labels'], remat=False)
+        params, episode['support_images'], episode['support_labels'], remat=False,
+        **methods.base.unlabeled_support(episode))
     queries = continual.embed_queries(method.cnn, thetas, episode['query_images'][0], pairs,
                                       remat=False)
     return prototypes, queries, episode['query_labels']

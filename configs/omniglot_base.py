@@ -57,6 +57,8 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.episode.shots = 1
   config.episode.queries_per_class = 3  # 60 queries per 20-way task, as the original HT.
   config.episode.task_classes = 'disjoint'  # or 'same' (mini-batch), 'domain' (multidomain).
+  # Unlabeled support images per class (semi-supervised, CHT only; 0 = the paper's setting).
+  config.episode.unlabeled_per_class = 0
 
   config.model = ml_collections.ConfigDict()
   config.model.channels = 8

@@ -69,6 +69,9 @@ def _sweeps(num_tasks: int) -> dict[str, list[tuple[str, str, list[str]]]]:
       # The paper's setting: tieredImageNet 5-way.
       'tiered_minibatch': [(arm, 'configs/tiered_imagenet_minibatch.py', [arm])
                            for arm in MINIBATCH_ARMS],
+      # Beyond the paper: M unlabeled images per class in every support set.
+      'semisupervised': [(f'm{m}_t{k}', 'configs/omniglot_semisupervised.py', [str(m), str(k)])
+                         for k in (1, 2, 5) for m in (0, 2, 4)],
   }
 
 

@@ -147,11 +147,14 @@ def augment(key: jax.Array, images: jax.Array,
 
 def augment_episodes(key: jax.Array, episodes: dict[str, jax.Array],
                      spec: AugmentSpec) -> dict[str, jax.Array]:
-  """Augments the support and query images of an episode (batch) dict."""
+  """Augments the support, query (and unlabeled) images of an episode (batch) dict."""
   if spec.is_identity:
     return episodes
   support_key, query_key = jax.random.split(key)
   out = dict(episodes)
   out['support_images'] = augment(support_key, episodes['support_images'], spec)
   out['query_images'] = augment(query_key, episodes['query_images'], spec)
+  if 'unlabeled_images' in episodes:  # A key of their own: without them, the same numbers.
+    out['unlabeled_images'] = augment(jax.random.fold_in(key, 2), episodes['unlabeled_images'],
+                                      spec)
   return out

@@ -50,7 +50,9 @@ def episode_spec(config: ml_collections.ConfigDict,
   return episodes_lib.EpisodeSpec(
       num_tasks=ep.num_tasks, ways=ep.ways, shots=ep.shots,
       queries_per_class=ep.queries_per_class, task_classes=ep.task_classes,
-      domain_sizes=tuple(domain_sizes))
+      domain_sizes=tuple(domain_sizes),
+      # Absent from the config.json of runs from before semi-supervision.
+      unlabeled_per_class=ep.get('unlabeled_per_class', 0))
 
 
 def _tiered_builder(config):
@@ -109,8 +111,7 @@ def host_batches(config: ml_collections.ConfigDict,
                      f'not {config.data.dataset!r}.')
   spec = episode_spec(config)
   source, labels = pipeline.tfds_source(_tiered_builder(config), 'train')
-  index = pipeline.class_index(labels,
-                               min_images=spec.shots + spec.queries_per_class)
+  index = pipeline.class_index(labels, min_images=episodes_lib.images_per_task(spec))
   return pipeline.episode_batches(
       source, index, spec,
       config.train.episodes_per_step // jax.process_count(), config.seed,

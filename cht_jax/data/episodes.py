@@ -9,8 +9,15 @@ images of one split kept on device.
 samplers here, the host pipeline and config validation.
 
 Shapes: C classes in the split, M images per class, H x W x D images;
-T = spec.num_tasks, K = spec.ways, N = spec.shots, Q = spec.queries_per_class.
-Samples are class-major: index k * N + n of a task is shot n of label k.
+T = spec.num_tasks, K = spec.ways, N = spec.shots, Q = spec.queries_per_class,
+U = spec.unlabeled_per_class. Samples are class-major: index k * N + n of a
+task is shot n of label k.
+
+Semi-supervised episodes (U > 0) add U unlabeled images of each of a task's
+classes to its support set, under 'unlabeled_images' [T, K*U, H, W, D]: drawn
+from the same classes as the labelled ones, never one of the episode's
+support or query images, and with their labels dropped. With U = 0 the key is
+absent and every array is what it was before unlabeled images existed.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ class EpisodeSpec(NamedTuple):
       and drawn at random ("multi-domain").
     domain_sizes: for 'domain': the number of classes of each domain; the
       class images hold domain 0's classes first, then domain 1's, and so on.
+    unlabeled_per_class: U, unlabeled support images per class (0: a fully
+      labelled support set, as in the paper).
   """
   num_tasks: int
   ways: int
@@ -46,6 +55,7 @@ class EpisodeSpec(NamedTuple):
   queries_per_class: int
   task_classes: str = 'disjoint'
   domain_sizes: tuple[int, ...] = ()
+  unlabeled_per_class: int = 0
 
 
 def validate_spec(spec: EpisodeSpec, class_images_shape: tuple[int, ...],
@@ -107,8 +117,9 @@ def _field_problems(spec: EpisodeSpec) -> list[str]:
   """Fields out of range (in a config, config_validation.SCHEMA rejects them first)."""
   found = [f'episode.{field} must be >= 1, got {getattr(spec, field)}'
            for field in ('num_tasks', 'ways', 'shots') if getattr(spec, field) < 1]
-  if spec.queries_per_class < 0:
-    found.append(f'episode.queries_per_class must be >= 0, got {spec.queries_per_class}')
+  for field in ('queries_per_class', 'unlabeled_per_class'):
+    if getattr(spec, field) < 0:
+      found.append(f'episode.{field} must be >= 0, got {getattr(spec, field)}')
   if spec.task_classes not in TASK_CLASSES:
     found.append(f'episode.task_classes must be one of {TASK_CLASSES}, '
                  f'got {spec.task_classes!r}')
@@ -159,25 +170,32 @@ def _image_problems(spec: EpisodeSpec, images: str, images_per_class: int) -> li
   needed = images_per_class_needed(spec)
   if needed <= images_per_class:
     return []
-  what = (f'episode.shots + episode.queries_per_class = {spec.shots} + '
-          f'{spec.queries_per_class} = {needed} images per class')
+  fields = ['shots', 'queries_per_class'] + (['unlabeled_per_class']
+                                             if spec.unlabeled_per_class else [])
+  names = ' + '.join(f'episode.{f}' for f in fields)
+  values = ' + '.join(str(getattr(spec, f)) for f in fields)
+  what = f'{names} = {values} = {needed} images per class'
   if spec.task_classes == 'same':
-    what = (f'episode.num_tasks * (episode.shots + episode.queries_per_class) = '
-            f'{spec.num_tasks} tasks * ({spec.shots} + {spec.queries_per_class}) = {needed} '
-            "distinct images per class (episode.task_classes='same': no image in two "
-            'tasks)')
+    what = (f'episode.num_tasks * ({names}) = {spec.num_tasks} tasks * ({values}) = '
+            f"{needed} distinct images per class (episode.task_classes='same': no image "
+            'in two tasks)')
   return [f'{what}, but {images}']
+
+
+def images_per_task(spec: EpisodeSpec) -> int:
+  """N + Q + U: the images one task draws from each of its classes."""
+  return spec.shots + spec.queries_per_class + spec.unlabeled_per_class
 
 
 def images_per_class_needed(spec: EpisodeSpec) -> int:
   """Distinct images an episode draws from each of its classes.
 
-  N + Q; with the same classes in every task (task_classes='same'), T * (N + Q):
-  no image is in two tasks, so no query of one task is a support image of
-  another and no support batch repeats another (the mini-batch setting).
+  N + Q + U; with the same classes in every task (task_classes='same'),
+  T * (N + Q + U): no image is in two tasks, so no query of one task is a
+  support image of another and no support batch repeats another (the
+  mini-batch setting).
   """
-  per_task = spec.shots + spec.queries_per_class
-  return per_task * (spec.num_tasks if spec.task_classes == 'same' else 1)
+  return images_per_task(spec) * (spec.num_tasks if spec.task_classes == 'same' else 1)
 
 
 def normalize(images_uint8: jax.Array) -> jax.Array:
@@ -246,11 +264,11 @@ def _draw_domain_classes(key: jax.Array, spec: EpisodeSpec) -> jax.Array:
 
 def _draw_images(key: jax.Array, num_images: int,
                  spec: EpisodeSpec) -> jax.Array:
-  """Image ids int32 [T, K, N+Q]: distinct within each (task, class), and
+  """Image ids int32 [T, K, N+Q+U]: distinct within each (task, class), and
   within each class across tasks when the tasks share their classes."""
-  t, k, per_task = spec.num_tasks, spec.ways, spec.shots + spec.queries_per_class
+  t, k, per_task = spec.num_tasks, spec.ways, images_per_task(spec)
   if spec.task_classes == 'same':
-    ids = _random_subset(key, (k,), num_images, t * per_task)  # [K, T*(N+Q)]
+    ids = _random_subset(key, (k,), num_images, t * per_task)  # [K, T*(N+Q+U)]
     return ids.reshape(k, t, per_task).transpose(1, 0, 2)
   return _random_subset(key, (t, k), num_images, per_task)
 
@@ -284,7 +302,10 @@ def sample_episode(key: jax.Array, class_images: jax.Array, spec: EpisodeSpec,
     'support_labels': int32 [T, K*N], 0..K-1;
     'query_images': float32 [T, K*Q, H, W, D];
     'query_labels': int32 [T, K*Q];
-    'class_ids': int32 [T, K], the split's class index of each label.
+    'class_ids': int32 [T, K], the split's class index of each label;
+    with spec.unlabeled_per_class = U > 0, 'unlabeled_images': float32
+    [T, K*U, H, W, D], U more images of each class (class-major, labels
+    dropped), rotated with their class.
   """
   validate_spec(spec, class_images.shape, rotate)
   if class_images.dtype != jnp.uint8:
@@ -295,17 +316,20 @@ def sample_episode(key: jax.Array, class_images: jax.Array, spec: EpisodeSpec,
   class_ids = _draw_classes(class_key, num_classes, spec)
   image_ids = _draw_images(image_key, num_images, spec)
   images = jnp.asarray(class_images)[class_ids[..., None], image_ids]
-  if rotate:  # images: [T, K, N+Q, H, W, D].
+  if rotate:  # images: [T, K, N+Q+U, H, W, D].
     images = rotate90(images, _rotations(rotate_key, spec))
   images = normalize(images)
-  return {
-      'support_images': images[:, :, :n].reshape(t, k * n, height, width,
-                                                 depth),
+  flat = lambda x: x.reshape(t, -1, height, width, depth)
+  episode = {
+      'support_images': flat(images[:, :, :n]),
       'support_labels': _labels(spec, n),
-      'query_images': images[:, :, n:].reshape(t, k * q, height, width, depth),
+      'query_images': flat(images[:, :, n:n + q]),
       'query_labels': _labels(spec, q),
       'class_ids': class_ids,
   }
+  if spec.unlabeled_per_class:
+    episode['unlabeled_images'] = flat(images[:, :, n + q:])
+  return episode
 
 
 def sample_episodes(key: jax.Array, class_images: jax.Array,
@@ -339,14 +363,15 @@ def sample_evaluation_episode(key: jax.Array, class_images: jax.Array,
 
   The paper's protocol (DESIGN.md 1.5) runs every episode R times with
   different query samples on the same support set. Each draw takes
-  Q = spec.queries_per_class images per class from the M - N images that are
-  not in the support set: distinct within a draw, never a support image, but
-  draws may overlap each other.
+  Q = spec.queries_per_class images per class from the M - N - U images that
+  are not in the support set (nor among its U unlabeled images): distinct
+  within a draw, never a support image, but draws may overlap each other.
+  The unlabeled images, like the support set, are the same for every draw.
 
   Args:
     key: PRNG key.
     class_images: uint8 [C, M, H, W, D], the images of one split.
-    spec: the episode spec (static); needs N + Q <= M.
+    spec: the episode spec (static); needs N + Q + U <= M.
     num_query_draws: R (static).
 
   Returns:
@@ -354,7 +379,8 @@ def sample_evaluation_episode(key: jax.Array, class_images: jax.Array,
     'support_labels': int32 [T, K*N];
     'query_images': float32 [R, T, K*Q, H, W, D];
     'query_labels': int32 [T, K*Q], the same for every draw;
-    'class_ids': int32 [T, K].
+    'class_ids': int32 [T, K];
+    with U > 0, 'unlabeled_images': float32 [T, K*U, H, W, D].
   """
   validate_spec(spec, class_images.shape)
   if num_query_draws < 1:
@@ -363,9 +389,11 @@ def sample_evaluation_episode(key: jax.Array, class_images: jax.Array,
   t, k, n, q = (spec.num_tasks, spec.ways, spec.shots, spec.queries_per_class)
   class_key, support_key, query_key = jax.random.split(key, 3)
   class_ids = _draw_classes(class_key, num_classes, spec)
+  # [T, K, N+U]: the support images, then the unlabeled ones, drawn once.
   support_ids = _draw_images(support_key, num_images, spec._replace(queries_per_class=0))
-  # Each draw: the top-Q of uniform scores, with the support images scored -1
-  # (those of every task that has the class, with task_classes='same').
+  # Each draw: the top-Q of uniform scores, with the support (and unlabeled)
+  # images scored -1 (those of every task that has the class, with
+  # task_classes='same').
   scores = jax.random.uniform(query_key, (num_query_draws, t, k, num_images))
   in_support = jnp.any(
       support_ids[..., None] == jnp.arange(num_images), axis=-2)  # [T, K, M]
@@ -374,13 +402,17 @@ def sample_evaluation_episode(key: jax.Array, class_images: jax.Array,
   scores = jnp.where(in_support, -1.0, scores)
   query_ids = jax.lax.top_k(scores, q)[1].astype(jnp.int32)  # [R, T, K, Q]
   images = jnp.asarray(class_images)
-  support = normalize(images[class_ids[..., None], support_ids])
-  queries = normalize(images[class_ids[..., None], query_ids])
-  return {
-      'support_images': support.reshape(t, k * n, height, width, depth),
+  gather = lambda ids: normalize(images[class_ids[..., None], ids])
+  queries = gather(query_ids)
+  episode = {
+      'support_images': gather(support_ids[..., :n]).reshape(t, k * n, height, width, depth),
       'support_labels': _labels(spec, n),
       'query_images': queries.reshape(num_query_draws, t, k * q, height, width,
                                       depth),
       'query_labels': _labels(spec, q),
       'class_ids': class_ids,
   }
+  if spec.unlabeled_per_class:
+    episode['unlabeled_images'] = gather(support_ids[..., n:]).reshape(
+        t, -1, height, width, depth)
+  return episode

@@ -12,7 +12,8 @@ and only the images of the coming episodes are read:
    episodes of a step depend only on (seed, s, p), so a resumed run sees the
    same data. The drawing rules are those of the device sampler ('disjoint',
    'same' or 'domain' classes; N + Q distinct images per class), not its
-   random numbers.
+   random numbers. With U unlabeled images per class (semi-supervised
+   episodes) each class gives N + Q + U, the U last ones unlabeled.
 2. tf.data: `range(first_step, ...)` -> fetch the encoded images of a step
    (parallel, deterministic order) -> decode + resize (parallel) -> the
    episode dict -> prefetch.
@@ -179,11 +180,12 @@ def episode_indices(seed: int, step: int, index: ClassIndex,
   """The records of B episodes of one step, a function of (seed, step, process).
 
   Returns:
-    (records int64 [B, T, K, N+Q], N + Q distinct images per class, support
-    first; class rows int32 [B, T, K], rows of `index`).
+    (records int64 [B, T, K, N+Q+U], N + Q + U distinct images per class:
+    support, queries, then unlabeled; class rows int32 [B, T, K], rows of
+    `index`).
   """
   rng = np.random.default_rng([seed, step, process])
-  per_class = spec.shots + spec.queries_per_class
+  per_class = episodes_lib.images_per_task(spec)
   classes = np.stack([_draw_classes(rng, len(index.records), spec)
                       for _ in range(num_episodes)])
   records = np.empty(classes.shape + (per_class,), np.int64)
@@ -242,13 +244,14 @@ def episode_dataset(source: EncodedSource, index: ClassIndex,
   Returns:
     Elements {'support_images': [B, T, K*N, S, S, D], 'support_labels':
     int32 [B, T, K*N], 'query_images': [B, T, K*Q, S, S, D], 'query_labels':
-    int32 [B, T, K*Q], 'class_ids': int32 [B, T, K]}.
+    int32 [B, T, K*Q], 'class_ids': int32 [B, T, K]}, and with
+    spec.unlabeled_per_class = U > 0 'unlabeled_images' [B, T, K*U, S, S, D].
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   check_spec(spec, index)
   b, t, k = num_episodes, spec.num_tasks, spec.ways
-  n, q = spec.shots, spec.queries_per_class
+  n, q, u = spec.shots, spec.queries_per_class, spec.unlabeled_per_class
   shape = (image_size, image_size, channels)
 
   def fetch(step):
@@ -271,16 +274,19 @@ def episode_dataset(source: EncodedSource, index: ClassIndex,
     encoded = source.parse(encoded)
     images = tf.map_fn(decode_one, encoded, parallel_iterations=16,
                        fn_output_signature=tf.TensorSpec(shape, tf.uint8))
-    images = tf.reshape(images, (b, t, k, n + q) + shape)
+    images = tf.reshape(images, (b, t, k, n + q + u) + shape)
     if normalize:
       images = tf.cast(images, tf.float32) / 128.0 - 1.0
-    return {
+    episode = {
         'support_images': tf.reshape(images[:, :, :, :n], (b, t, k * n) + shape),
         'support_labels': tf.constant(_labels(spec, n, b)),
-        'query_images': tf.reshape(images[:, :, :, n:], (b, t, k * q) + shape),
+        'query_images': tf.reshape(images[:, :, :, n:n + q], (b, t, k * q) + shape),
         'query_labels': tf.constant(_labels(spec, q, b)),
         'class_ids': tf.ensure_shape(classes, (b, t, k)),
     }
+    if u:
+      episode['unlabeled_images'] = tf.reshape(images[:, :, :, n + q:], (b, t, k * u) + shape)
+    return episode
 
   end = first_step + num_steps if num_steps is not None else np.iinfo(
       np.int64).max
@@ -304,8 +310,8 @@ def episode_batches(*args, **kwargs) -> Iterator[dict[str, np.ndarray]]:
 def device_episodes(batch: dict[str, Any]) -> dict[str, Any]:
   """Inside the step: a uint8 host batch as `sample_episodes` returns it."""
   out = dict(batch)
-  for name in ('support_images', 'query_images'):
-    if out[name].dtype == np.uint8:
+  for name in ('support_images', 'query_images', 'unlabeled_images'):
+    if name in out and out[name].dtype == np.uint8:
       out[name] = episodes_lib.normalize(out[name])
   return out
 

@@ -118,7 +118,9 @@ class EpisodicMethod(Method):
     Args:
       params: the method's parameters.
       episode: from `episodes.sample_evaluation_episode`: support [T, K*N, ...],
-        query_images [R, T, K*Q, H, W, C], query_labels [T, K*Q].
+        query_images [R, T, K*Q, H, W, C], query_labels [T, K*Q], and for
+        semi-supervised episodes unlabeled_images [T, K*U, H, W, C] (the
+        same for every draw).
       pairs: `TaskPairs.lower_triangle(T)`.
       vectorize: see `embed_query_draws`.
 
@@ -129,7 +131,8 @@ class EpisodicMethod(Method):
       'cross_entropy') the task-incremental accuracy is that of the head's K logits.
     """
     thetas, prototypes = self.thetas_and_prototypes(
-        params, episode['support_images'], episode['support_labels'], remat=False)
+        params, episode['support_images'], episode['support_labels'], remat=False,
+        **unlabeled_support(episode))
     embeddings = embed_query_draws(self, thetas, episode['query_images'], pairs, vectorize)
 
     def score(loss):  # Mean over draws of the accuracy of each pair: [P].
@@ -168,6 +171,15 @@ def embed_query_draws(method, thetas, query_images: jax.Array, pairs: continual.
   return jnp.swapaxes(embeddings, 0, 1)
 
 
+def unlabeled_support(episode) -> dict[str, jax.Array]:
+  """{'unlabeled_images': [T, K*U, H, W, C]} of a semi-supervised episode, else {}:
+  keyword arguments of `thetas_and_prototypes`, which only methods that take
+  unlabeled images (CHT) are given (config validation rejects the others)."""
+  if 'unlabeled_images' in episode:
+    return {'unlabeled_images': episode['unlabeled_images']}
+  return {}
+
+
 def broadcast(tree: Any, num_tasks: int) -> Any:
   """The same theta for every t: leaves get a leading T axis."""
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_tasks, *x.shape)), tree)
@@ -177,7 +189,8 @@ def loss_over_pairs(method, params, episode, loss: str, remat: bool,
                     pairs: continual.TaskPairs, vectorize: bool | None = None):
   """`continual.episode_loss` with the thetas of `method` and the given pairs."""
   thetas, prototypes = method.thetas_and_prototypes(
-      params, episode['support_images'], episode['support_labels'], remat=remat)
+      params, episode['support_images'], episode['support_labels'], remat=remat,
+      **unlabeled_support(episode))
   return continual.pairs_loss(method.cnn, thetas, prototypes, episode, loss, pairs, remat,
                               vectorize)
 

@@ -37,9 +37,12 @@ class CHT(base.EpisodicMethod):
   def init(self, key) -> Any:
     return init_hypertransformer(self.ht, key, self.config)
 
-  def thetas_and_prototypes(self, params, support_images, support_labels, remat=False):
+  def thetas_and_prototypes(self, params, support_images, support_labels, remat=False,
+                            unlabeled_images=None):
+    """theta_0..theta_{T-1} and prototypes [T, K, D]; `unlabeled_images` [T, K*U,
+    H, W, C] (semi-supervised episodes) reach the HyperTransformer only."""
     return continual.generate_thetas(self.ht, params, support_images, support_labels,
-                                     remat=remat)
+                                     remat=remat, unlabeled_images=unlabeled_images)
 
   def episode_loss(self, params, episode, loss, remat=True, vectorize=None):
     return continual.episode_loss(self.ht, params, episode, loss, remat, vectorize)

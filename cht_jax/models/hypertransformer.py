@@ -17,6 +17,14 @@ dense head).
 With theta_{t-1} = 0 the weight tokens are those of the original HT, so one
 module serves HT (T = 1) and CHT. Putting the slice of theta_{t-1} where HT puts
 zeros is our reading of the paper (the CHT code is unpublished).
+
+Unlabeled support images (HT's semi-supervised setting) add one sample token
+each after the labelled ones, built the same way but with the (K+1)-th label
+embedding, the one for "unlabeled". They go through the generated layers as a
+BatchNorm batch of their own, as every query set does, so the labelled
+support activations, embeddings and prototypes are computed exactly as
+without them: the unlabeled images reach theta_t only through the
+transformer's attention.
 """
 
 from typing import Any, Sequence
@@ -130,7 +138,8 @@ class HyperTransformer(nn.Module):
 
   @nn.compact
   def __call__(self, support_images: jax.Array, support_labels: jax.Array,
-               theta_prev: Theta, with_support_embeddings: bool = False):
+               theta_prev: Theta, with_support_embeddings: bool = False,
+               unlabeled_images: jax.Array | None = None):
     """Generates theta_t from S(t) and theta_{t-1}.
 
     Args:
@@ -140,20 +149,32 @@ class HyperTransformer(nn.Module):
       with_support_embeddings: also return the support images' embeddings
         under theta_t, `self.cnn.apply({'params': theta_t}, support_images)`:
         generating theta_t has pushed them through every block already.
+      unlabeled_images: [U, H, W, C] float32 support images without labels,
+        or None (or U = 0) for none: the computation is then exactly that
+        of a fully labelled support set.
 
     Returns:
       theta_t, with the structure of `self.cnn`'s params; with
-      `with_support_embeddings`, (theta_t, [S, cnn_embedding_dim]).
+      `with_support_embeddings`, (theta_t, [S, cnn_embedding_dim]) (the
+      labelled images only).
     """
+    if unlabeled_images is not None and not unlabeled_images.shape[0]:
+      unlabeled_images = None
+    unlabeled_labels = None
+    if unlabeled_images is not None:  # Label K, the "unlabeled" embedding.
+      unlabeled_labels = jnp.full(unlabeled_images.shape[:1], self.num_ways, jnp.int32)
+    labels = _labelled_then_unlabeled(support_labels, unlabeled_labels)
     image_features = features_lib.ImageFeatureExtractor(
         features=self.image_features, kernel_size=self.kernel_size,
-        conv_impl=self.conv_impl, name='image_features')(support_images)
-    theta, x = {}, support_images
+        conv_impl=self.conv_impl, name='image_features')(
+            _labelled_then_unlabeled(support_images, unlabeled_images))
+    # Activations of the labelled and the unlabeled images: two BatchNorm batches.
+    theta, x, x_unlabeled = {}, support_images, unlabeled_images
     for i, c_out in enumerate(self.channels):
       name = f'block_{i}'
       kernel_shape = (self.kernel_size, self.kernel_size, x.shape[-1], c_out)
       rows = self._generate_layer(
-          name, x, image_features, support_labels,
+          name, _labelled_then_unlabeled(x, x_unlabeled), image_features, labels,
           block_to_slices(theta_prev[name], self.generate_bn), num_extractor_convs=2)
       block = slices_to_block(rows, kernel_shape, self.generate_bn)
       if not self.generate_bn:
@@ -161,12 +182,20 @@ class HyperTransformer(nn.Module):
         block['bias'] = self.param(f'{name}_bias', nn.initializers.zeros, (c_out,))
       theta[name] = block
       x = cnn_lib.conv_block(x, block, self.conv_impl)
-    rows = self._generate_layer('head', x, image_features, support_labels,
+      if x_unlabeled is not None:
+        x_unlabeled = cnn_lib.conv_block(x_unlabeled, block, self.conv_impl)
+    rows = self._generate_layer('head', _labelled_then_unlabeled(x, x_unlabeled),
+                                image_features, labels,
                                 head_to_slices(theta_prev['head']), num_extractor_convs=1)
     theta['head'] = slices_to_head(rows)
     if with_support_embeddings:
       return theta, cnn_lib.dense_head(x, theta['head'])
     return theta
+
+
+def _labelled_then_unlabeled(labelled: jax.Array, unlabeled: jax.Array | None) -> jax.Array:
+  """[S, ...] and [U, ...] -> [S + U, ...], the order of the sample tokens."""
+  return labelled if unlabeled is None else jnp.concatenate([labelled, unlabeled], axis=0)
 
 
 def zeros_theta(cnn: cnn_lib.CNN, image_shape: Sequence[int]) -> Theta:
