@@ -14,8 +14,10 @@ writes it as JSON.
 """
 
 import functools
+import gzip
 import json
 import math
+import os
 import platform
 import resource
 import time
@@ -32,6 +34,7 @@ from cht_jax import continual
 from cht_jax import devices
 from cht_jax import methods
 from cht_jax import models
+from cht_jax import profiling
 from cht_jax import train
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
@@ -45,6 +48,13 @@ flags.DEFINE_integer('num_classes', 1150, 'Classes in the fake training split.')
 flags.DEFINE_string('output', None, 'Where to write the table as JSON.')
 flags.DEFINE_bool('cpu_cores_as_devices', True, 'On CPU, one JAX device per core, as '
                   'training runs (cht_jax/devices.py); False: one CPU device.')
+flags.DEFINE_bool('extras', True, 'Also time the sampler alone, the forward pass '
+                  '(evaluation) and generation latency; False: the training step only.')
+flags.DEFINE_bool('count_flops', True, "Count an episode's FLOPs with XLA's cost analysis "
+                  '(one more compile per T) to give the share of the matmul rate.')
+flags.DEFINE_integer('profile_steps', 0, 'Trace this many training steps per setting with '
+                     'the JAX profiler and print where their device time goes.')
+flags.DEFINE_string('trace_dir', None, 'Where the profiler traces go (default: a temp dir).')
 flags.mark_flag_as_required('config')
 
 
@@ -121,10 +131,14 @@ def episode_flops(config, ht, params, episode) -> float:
 
 
 def bench_config(config, batch_size: int, class_images, min_seconds: float,
-                 matmul_rate: float, flops_cache: dict | None = None) -> dict:
+                 matmul_rate: float, flops_cache: dict | None = None, extras: bool = True,
+                 profile_steps: int = 0, trace_dir: str | None = None,
+                 count_flops: bool = True) -> dict:
   """Times one (T, episodes per step) setting.
 
   `flops_cache`: T -> FLOPs of one episode, filled on first use (one compile per T).
+  Without `extras` only the training step is timed; with `profile_steps` that
+  many steps are traced too (`profiling.profile_calls`, row key 'profile').
   """
   config = config.copy_and_resolve_references()
   config.train.episodes_per_step = batch_size
@@ -142,7 +156,8 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   flops_cache = {} if flops_cache is None else flops_cache
   num_tasks = config.episode.num_tasks
   if num_tasks not in flops_cache:
-    flops_cache[num_tasks] = episode_flops(config, method.ht, state.params, episode)
+    flops_cache[num_tasks] = (episode_flops(config, method.ht, state.params, episode)
+                              if count_flops else float('nan'))
   step_flops = batch_size * flops_cache[num_tasks]
 
   holder = [state]
@@ -151,6 +166,26 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
     return metrics['loss']
   step_seconds = _time(one_step, min_seconds)
   params = holder[0].params
+  row = {
+      'num_tasks': config.episode.num_tasks,
+      'episodes_per_step': batch_size,
+      'num_devices': devices.num_data_devices(batch_size),
+      'compile_s': compile_seconds,
+      'steps_per_s': 1 / step_seconds,
+      'episodes_per_s': batch_size / step_seconds,
+      'step_gflops': step_flops / 1e9,
+      'fraction_of_matmul_rate': step_flops / step_seconds / 1e9 / matmul_rate,
+      'forward_episodes_per_s': float('nan'),
+      'sampling_episodes_per_s': float('nan'),
+      'sampling_share_of_step': float('nan'),
+  }
+  if profile_steps:
+    row['profile'] = profiling.profile_calls(one_step, profile_steps, trace_dir)
+    # The optimised HLO beside the trace: maps the profile's fusion names to their code.
+    with gzip.open(os.path.join(row['profile']['trace_dir'], 'step.hlo.txt.gz'), 'wt') as f:
+      f.write(compiled.as_text())
+  if not extras:
+    return {**row, 'peak_memory_bytes': _peak_memory_bytes()}
 
   sample = jax.jit(lambda k: episodes_lib.sample_episodes(
       k, class_images, spec, batch_size, rotate=config.data.rotate))
@@ -160,20 +195,11 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   forward = train.make_eval_step(method, batch_size)
   jax.block_until_ready(forward(params, class_images, key))
   forward_seconds = _time(lambda: forward(params, class_images, key), min_seconds / 2)
-  return {
-      'num_tasks': config.episode.num_tasks,
-      'episodes_per_step': batch_size,
-      'num_devices': devices.num_data_devices(batch_size),
-      'compile_s': compile_seconds,
-      'steps_per_s': 1 / step_seconds,
-      'episodes_per_s': batch_size / step_seconds,
-      'step_gflops': step_flops / 1e9,
-      'fraction_of_matmul_rate': step_flops / step_seconds / 1e9 / matmul_rate,
-      'forward_episodes_per_s': batch_size / forward_seconds,
-      'sampling_episodes_per_s': batch_size / sample_seconds,
-      'sampling_share_of_step': sample_seconds / step_seconds,
-      'peak_memory_bytes': _peak_memory_bytes(),
-  }
+  row.update(forward_episodes_per_s=batch_size / forward_seconds,
+             sampling_episodes_per_s=batch_size / sample_seconds,
+             sampling_share_of_step=sample_seconds / step_seconds,
+             peak_memory_bytes=_peak_memory_bytes())
+  return row
 
 
 def generation_latency(config, class_images, min_seconds: float) -> dict[str, float]:
@@ -231,7 +257,8 @@ def main(argv):
       # Each row is printed as soon as it is measured: a long run shows progress
       # and a killed one keeps what it had.
       r = bench_config(config, int(batch_size), class_images, FLAGS.min_seconds, gflops,
-                       flops_cache)
+                       flops_cache, extras=FLAGS.extras, count_flops=FLAGS.count_flops, profile_steps=FLAGS.profile_steps,
+                       trace_dir=FLAGS.trace_dir and f'{FLAGS.trace_dir}/T{num_tasks}_B{batch_size}')
       rows.append(r)
       print(f"{r['num_tasks']:>2} {r['episodes_per_step']:>3} {r['num_devices']:>3} "
             f"{r['compile_s']:>9.1f} "
@@ -239,6 +266,13 @@ def main(argv):
             f"{r['fraction_of_matmul_rate']:>9.1%} {r['forward_episodes_per_s']:>9.1f} "
             f"{r['sampling_episodes_per_s']:>13.0f} {r['peak_memory_bytes'] / 2**20:>8.0f}",
             flush=True)
+      if 'profile' in r:
+        print(profiling.format_table(r['profile']), flush=True)
+      if FLAGS.output:  # After each row: a run killed later keeps what it measured.
+        with open(FLAGS.output, 'w') as f:
+          json.dump({**header, 'rows': rows}, f, indent=2)
+  if not FLAGS.extras:
+    return
   latency = generation_latency(config, class_images, FLAGS.min_seconds / 2)
   header['generation_latency_ms'] = latency['median'] * 1e3
   header['generation_latency_mean_ms'] = latency['mean'] * 1e3

@@ -42,7 +42,8 @@ from cht_jax.models import transformer
 # Table 1 baselines trained by gradient descent. Defined here, below the
 # methods (cht_jax/methods/), whose registry has one class per name.
 METHODS = ('cht', 'constpn', 'merged_ht', 'finetune', 'ewc', 'maml')
-OPTIMIZERS = ('sgd', 'momentum', 'adam')
+OPTIMIZERS = ('sgd', 'momentum', 'adam', 'adamw', 'lamb')
+SCHEDULES = ('exponential', 'cosine')
 ON_DIVERGENCE = ('stop', 'skip')
 
 Check = Callable[[Any], str | None]  # A value -> what would be valid, or None if it is.
@@ -158,6 +159,7 @@ SCHEMA: dict[str, Check] = {
     'model.inner_fraction': _number(0),
     'model.activation': _choice(tuple(transformer.ACTIVATIONS)),
     'model.generate_bn': _boolean,
+    'model.head_scale': _number(0, inclusive=True),
     'model.conv_impl': _choice(ops.CONV_IMPLS),
     'model.encoder_impl': _choice(transformer.ENCODER_IMPLS),
     'model.remat': _remat,
@@ -170,6 +172,10 @@ SCHEMA: dict[str, Check] = {
     'optim.decay_rate': _number(0),
     'optim.decay_steps': _integer(1),
     'optim.momentum': _number(0, inclusive=True, maximum=1),
+    'optim.schedule': _choice(SCHEDULES),
+    'optim.warmup_steps': _integer(0),
+    'optim.end_fraction': _number(0, inclusive=True, maximum=1),
+    'optim.weight_decay': _number(0, inclusive=True),
     'optim.grad_clip_norm': _number(0, inclusive=True),
     'train.num_steps': _integer(1),
     'train.episodes_per_step': _integer(1),

@@ -58,10 +58,26 @@ class TrainState:
 
 
 def learning_rate_schedule(optim: ml_collections.ConfigDict) -> optax.Schedule:
-  """The paper's schedule: lr * decay_rate ** floor(step / decay_steps)."""
-  return optax.exponential_decay(
-      optim.learning_rate, transition_steps=optim.decay_steps,
-      decay_rate=optim.decay_rate, staircase=True)
+  """`optim.schedule` after `optim.warmup_steps` of linear warmup from 0.
+
+  'exponential' (the paper's): lr * decay_rate ** floor(step / decay_steps).
+  'cosine': lr, cosine-annealed to lr * end_fraction over decay_steps steps.
+  """
+  if optim.schedule == 'exponential':
+    decay = optax.exponential_decay(
+        optim.learning_rate, transition_steps=optim.decay_steps,
+        decay_rate=optim.decay_rate, staircase=True)
+  elif optim.schedule == 'cosine':
+    decay = optax.cosine_decay_schedule(
+        optim.learning_rate, decay_steps=max(optim.decay_steps - optim.warmup_steps, 1),
+        alpha=optim.end_fraction)
+  else:
+    raise ValueError(f'Unknown optim.schedule {optim.schedule!r}; expected one of '
+                     f'{config_validation.SCHEDULES}.')
+  if not optim.warmup_steps:
+    return decay
+  warmup = optax.linear_schedule(0.0, optim.learning_rate, optim.warmup_steps)
+  return optax.join_schedules([warmup, decay], [optim.warmup_steps])
 
 
 def make_optimizer(optim: ml_collections.ConfigDict,
@@ -74,6 +90,10 @@ def make_optimizer(optim: ml_collections.ConfigDict,
     optimizer = optax.sgd(schedule, momentum=optim.momentum)
   elif optim.name == 'adam':
     optimizer = optax.adam(schedule)
+  elif optim.name == 'adamw':
+    optimizer = optax.adamw(schedule, weight_decay=optim.weight_decay)
+  elif optim.name == 'lamb':
+    optimizer = optax.lamb(schedule, weight_decay=optim.weight_decay)
   else:
     raise ValueError(f'Unknown optim.name {optim.name!r}; expected one of '
                      f'{config_validation.OPTIMIZERS}.')

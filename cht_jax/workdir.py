@@ -126,8 +126,19 @@ class MetricsLog:
     self._path = os.path.join(workdir, 'metrics.jsonl')
 
   def _create_writer(self, workdir: str):
-    from clu import metric_writers  # pylint: disable=g-import-not-at-top
-    return metric_writers.create_default_writer(workdir, just_logging=not self._is_main)
+    if not self._is_main:
+      return _NoEventsWriter()
+    try:
+      from clu import metric_writers  # pylint: disable=g-import-not-at-top
+      return metric_writers.create_default_writer(workdir)
+    except ImportError as e:  # No TensorFlow (clu's writer needs it).
+      clu_missing = e
+    try:
+      return _EventFileWriter(workdir)
+    except ImportError:
+      _warn_once(f'TensorBoard event files are not written ({clu_missing}; and no '
+                 '`tensorboard` package): metrics.jsonl has every row.')
+      return _NoEventsWriter()
 
   def write(self, step: int, split: str, metrics: dict[str, float]):
     scalars = {f'{split}/{k}': float(v) for k, v in metrics.items()}
@@ -189,6 +200,58 @@ class MetricsLog:
   def close(self):
     self._writer.flush()
     self._writer.close()
+
+
+class _NoEventsWriter:
+  """Where no event files are written (other processes; no TensorBoard package)."""
+
+  def write_scalars(self, step, scalars):
+    del step, scalars
+
+  def flush(self):
+    pass
+
+  def close(self):
+    pass
+
+
+class _EventFileWriter(_NoEventsWriter):
+  """Scalars to a TensorBoard event file with the `tensorboard` package alone.
+
+  clu's writer (used where TensorFlow is installed) needs TensorFlow; GPU images
+  for JAX often have TensorBoard without it. Same tags and steps.
+  """
+
+  def __init__(self, workdir: str):
+    # pylint: disable=g-import-not-at-top
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.compat.proto import summary_pb2
+    from tensorboard.summary.writer import event_file_writer
+    # pylint: enable=g-import-not-at-top
+    self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+    self._writer = event_file_writer.EventFileWriter(workdir)
+
+  def write_scalars(self, step, scalars):
+    summary = self._summary_pb2.Summary(value=[
+        self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value))
+        for tag, value in scalars.items()])
+    self._writer.add_event(self._event_pb2.Event(step=int(step), wall_time=time.time(),
+                                                 summary=summary))
+
+  def flush(self):
+    self._writer.flush()
+
+  def close(self):
+    self._writer.close()
+
+
+_WARNED = set()
+
+
+def _warn_once(message: str) -> None:
+  if message not in _WARNED:
+    _WARNED.add(message)
+    logging.warning(message)
 
 
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:

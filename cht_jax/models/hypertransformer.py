@@ -88,6 +88,12 @@ class HyperTransformer(nn.Module):
       transformer (`transformer.Encoder`).
     generate_bn: generate BatchNorm scale/offset (2 numbers more per conv
       token) instead of training them as shared parameters.
+    head_scale: 0 (the paper): the head as the transformer writes it. > 0 (a
+      departure, the ':fast' recipe): the generated head kernel and bias times
+      a learned scalar `head_output_scale` that starts at this value. The
+      transformer's outputs are LayerNorm-scaled, O(1) each, so the paper's
+      first embeddings are O(sqrt(channels)) per dimension and the first
+      squared distances O(100): the loss starts in the hundreds.
   """
   num_ways: int
   channels: Sequence[int] = (8, 8, 8, 8)
@@ -105,6 +111,7 @@ class HyperTransformer(nn.Module):
   activation: str = 'relu'
   encoder_impl: str = 'xla'
   generate_bn: bool = False
+  head_scale: float = 0.0
 
   @property
   def cnn(self) -> cnn_lib.CNN:
@@ -188,6 +195,9 @@ class HyperTransformer(nn.Module):
                                 image_features, labels,
                                 head_to_slices(theta_prev['head']), num_extractor_convs=1)
     theta['head'] = slices_to_head(rows)
+    if self.head_scale:
+      scale = self.param('head_output_scale', nn.initializers.constant(self.head_scale), ())
+      theta['head'] = jax.tree.map(lambda leaf: leaf * scale, theta['head'])
     if with_support_embeddings:
       return theta, cnn_lib.dense_head(x, theta['head'])
     return theta

@@ -1,0 +1,188 @@
+r"""Trains a ':fast' config, evaluates it with the full protocol, and gathers the results.
+
+  # Table 1's CHT row at T=5 on one GPU (README, "Results in minutes"):
+  python launch/fast_table1.py --workdir=results/fast_t5 -- \
+      --config=configs/omniglot_t5.py:fast --config.data.data_dir=$HOME/tensorflow_datasets
+
+  # The CPU version of the T=2 check (issue 16): 1 episode a step, 10 minutes of training.
+  python launch/fast_table1.py --workdir=results/fast_t2_cpu --train_seconds=600 -- \
+      --config=configs/omniglot_t2.py:fast --config.train.episodes_per_step=1 \
+      --config.train.num_steps=9000
+
+Everything after `--` goes to `python -m cht_jax.main` for both the training
+and the evaluation (so `--config.x=y` overrides apply to both). Training resumes
+from the workdir's latest checkpoint, so a long budget can be spent in slices:
+rerun the same command. With `--train_seconds` training is stopped by SIGTERM
+after that many seconds (it checkpoints and exits, as on a preempted cluster
+job); the evaluation then scores that checkpoint.
+
+Writes, in `--workdir` besides the run's own files:
+  results.json   the Table 1 row (class- and task-incremental accuracy on tasks
+                 0, 0-1, ... with 95% CIs), the device, JAX version, commit,
+                 command and wall clock of training and evaluation;
+  results.md     the same as a table;
+  curve.png      validation accuracy against episodes and against training
+                 wall clock (from metrics.jsonl);
+  eval/...       the evaluation's full reports (reports.write_results).
+"""
+
+import argparse
+import glob
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(command: list[str], timeout: float | None) -> tuple[int, float]:
+  """Runs `command`; SIGTERM after `timeout` seconds (it checkpoints and exits)."""
+  print('+', shlex.join(command), flush=True)
+  start = time.time()
+  process = subprocess.Popen(command, cwd=REPO_ROOT)
+  try:
+    returncode = process.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    print(f'Training budget of {timeout:.0f} s spent: stopping it with SIGTERM.', flush=True)
+    process.send_signal(signal.SIGTERM)
+    returncode = process.wait()
+  except KeyboardInterrupt:
+    process.send_signal(signal.SIGINT)
+    returncode = process.wait()
+    raise
+  return returncode, time.time() - start
+
+
+def _commit() -> str:
+  try:
+    out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=REPO_ROOT,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'],
+                           cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    return out + ('+changes' if dirty else '')
+  except (OSError, subprocess.CalledProcessError):
+    return 'unknown'
+
+
+def training_curve(metrics_path: str) -> dict[str, list[float]]:
+  """Validation accuracy against step, episodes and training wall clock.
+
+  Wall clock is rebuilt from the logged throughput of each window of steps
+  (train/steps_per_sec), so it counts training steps, not validation or startup.
+  """
+  rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
+  elapsed, last_step, at_step = 0.0, 0, {0: 0.0}
+  episodes_per_step = None
+  for row in rows:
+    if row.get('split') == 'train' and row.get('train/steps_per_sec'):
+      elapsed += (row['step'] - last_step) / row['train/steps_per_sec']
+      last_step = row['step']
+      at_step[row['step']] = elapsed
+      if row.get('train/episodes_per_sec'):
+        episodes_per_step = row['train/episodes_per_sec'] / row['train/steps_per_sec']
+  curve = {'step': [], 'episodes': [], 'seconds': [], 'accuracy': []}
+  for row in rows:
+    if row.get('split') == 'validation' and 'validation/accuracy' in row:
+      step = row['step']
+      logged = [s for s in at_step if s <= step]
+      curve['step'].append(step)
+      curve['episodes'].append(step * round(episodes_per_step or 1))
+      curve['seconds'].append(at_step[max(logged)] if logged else 0.0)
+      curve['accuracy'].append(row['validation/accuracy'])
+  return curve
+
+
+def plot_curve(curve: dict[str, list[float]], title: str, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+  for ax, x, label in ((axes[0], curve['episodes'], 'training episodes'),
+                       (axes[1], curve['seconds'], 'training wall clock (s)')):
+    ax.plot(x, curve['accuracy'], marker='o')
+    ax.set_xlabel(label)
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel('validation accuracy')
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _table1_row(results: dict) -> dict:
+  """{'columns': ['0', '0-1', ...], name: {'mean': [%], 'ci95': [%]}} of an evaluation."""
+  table = results['table']
+  row = {'columns': table['columns']}
+  for key in ('class_incremental', 'task_incremental'):
+    row[key] = {k: [100 * v for v in table[key][k]] for k in ('mean', 'ci95')}
+  return row
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--workdir', required=True)
+  parser.add_argument('--train_seconds', type=float, default=None,
+                      help='Stop training (SIGTERM, checkpointed) after this many seconds.')
+  parser.add_argument('--skip_training', action='store_true',
+                      help='Only evaluate the latest checkpoint and gather the results.')
+  parser.add_argument('main_args', nargs='*', help='After --: flags of cht_jax.main.')
+  args = parser.parse_args()
+  if not any(a.startswith('--config=') for a in args.main_args):
+    parser.error('Give the config after --, e.g. -- --config=configs/omniglot_t5.py:fast')
+  workdir = os.path.abspath(args.workdir)
+  main_command = [sys.executable, '-m', 'cht_jax.main', f'--workdir={workdir}',
+                  *args.main_args]
+  train_seconds = None
+  if not args.skip_training:
+    code, train_seconds = _run(main_command, args.train_seconds)
+    if code not in (0, 143):  # 143: stopped by SIGTERM after a checkpoint.
+      sys.exit(f'Training failed (exit status {code}); see its log above.')
+  code, eval_seconds = _run(main_command + ['--mode=eval'], None)
+  if code:
+    sys.exit(f'Evaluation failed (exit status {code}); see its log above.')
+
+  evals = sorted(glob.glob(os.path.join(workdir, 'eval', 'test_T*_step*.json')),
+                 key=os.path.getmtime)
+  results = json.load(open(evals[-1]))
+  import jax  # pylint: disable=g-import-not-at-top
+  summary = {
+      'config': next(a.split('=', 1)[1] for a in args.main_args if a.startswith('--config=')),
+      'command': shlex.join(sys.argv),
+      'commit': _commit(),
+      'device': results.get('timing', {}).get('device') or jax.devices()[0].device_kind,
+      'jax': jax.__version__,
+      'train_wall_seconds': train_seconds,
+      'eval_wall_seconds': eval_seconds,
+      'evaluation': os.path.relpath(evals[-1], workdir),
+      'step': results.get('step'),
+      'table1': _table1_row(results),
+  }
+  metrics = os.path.join(workdir, 'metrics.jsonl')
+  if os.path.exists(metrics):
+    summary['validation_curve'] = training_curve(metrics)
+    plot_curve(summary['validation_curve'],
+               f"{summary['config']} on {summary['device']}, commit {summary['commit']}",
+               os.path.join(workdir, 'curve.png'))
+  with open(os.path.join(workdir, 'results.json'), 'w') as f:
+    json.dump(summary, f, indent=1)
+  row = summary['table1']
+  lines = [f"{summary['config']}, step {summary['step']}, {summary['device']}, "
+           f"JAX {summary['jax']}, commit {summary['commit']}", '',
+           '| accuracy (%) | ' + ' | '.join(row['columns']) + ' |',
+           '|---' * (1 + len(row['columns'])) + '|']
+  for key in ('class_incremental', 'task_incremental'):
+    cells = [f'{m:.1f} ± {c:.1f}' for m, c in zip(row[key]['mean'], row[key]['ci95'])]
+    lines.append(f"| {key.replace('_', '-')} | " + ' | '.join(cells) + ' |')
+  lines += ['', f"training {train_seconds or 0:.0f} s, evaluation {eval_seconds:.0f} s "
+            '(wall clock, compilation and data loading included)']
+  with open(os.path.join(workdir, 'results.md'), 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  print('\n'.join(lines))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,89 @@
+#!/bin/bash
+# The GPU check of issues 16 and 17 as one command of under 10 minutes on one GPU.
+#
+#   OUT=results/gpu DATA_DIR=~/tensorflow_datasets bash launch/gpu_check.sh [seconds]
+#
+# 1. Speed: the T=5 training step at 64 and 256 episodes per step, rematerialisation
+#    on ('auto' on a GPU) and off, with a profile of where the device time goes
+#    (cht_jax/profiling.py; the trace and the optimised HLO are kept).
+# 2. Recipe: configs/omniglot_t5.py:fast trained for what is left of the budget (the
+#    faster remat setting, the number of steps sized from the measured speed), then
+#    the full evaluation protocol (launch/fast_table1.py).
+# Needs JAX, flax, optax, orbax-checkpoint, chex, absl-py, ml_collections (wheels in
+# .whl/ are installed first, for machines without them) and an Omniglot cache
+# (<DATA_DIR>/cht_jax_cache/omniglot_ht_2022_28.npz, written by any earlier run that
+# read the data): no TensorFlow or TFDS. At most 8 files are written to $OUT.
+set -u
+TOTAL=${1:-560}
+START=$(date +%s)
+OUT=${OUT:-gpu_check_out}
+DATA_DIR=${DATA_DIR:-$HOME/tensorflow_datasets}
+# Smaller settings for a dry run on a CPU (tests/test_launch.py):
+BENCH_CONFIG=${BENCH_CONFIG:-configs/omniglot_t5.py}
+BENCH_TASKS=${BENCH_TASKS:-5}
+BATCH_SIZES=${BATCH_SIZES:-64,256}
+B=${BATCH_SIZES%%,*}
+FAST_CONFIG=${FAST_CONFIG:-configs/omniglot_t5.py:fast}
+FAST_FLAGS=${FAST_FLAGS:-}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+left() { echo $(( TOTAL - ($(date +%s) - START) )); }
+say() { echo "[$(( $(date +%s) - START )) s] $*" | tee -a "$LOG"; }
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+quiet() { grep -v -E '^[IW][0-9]{4} |^WARNING: All log|oneDNN'; }
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import jax, jaxlib, flax, optax, orbax.checkpoint as o; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__); print(jax.devices())"
+  python3 -c "import tensorflow" 2>&1 | tail -1
+  git rev-parse HEAD 2>/dev/null; } 2>&1 | tee -a "$LOG"
+
+say "1. speed: T=$BENCH_TASKS, remat auto (on), $BATCH_SIZES episodes per step, profiled"
+timeout 170 python3 -m cht_jax.bench --config=$BENCH_CONFIG --tasks=$BENCH_TASKS \
+    --batch_sizes=$BATCH_SIZES --min_seconds=2 --extras=false --count_flops=false \
+    --profile_steps=3 --trace_dir=/tmp/cht_trace --output="$OUT/bench_remat_on.json" 2>&1 \
+    | quiet | tee -a "$LOG"
+say "1. speed: T=$BENCH_TASKS, remat off"
+timeout 120 python3 -m cht_jax.bench --config=$BENCH_CONFIG --tasks=$BENCH_TASKS \
+    --config.model.remat=False --batch_sizes=$BATCH_SIZES --min_seconds=2 --extras=false \
+    --count_flops=false --output="$OUT/bench_remat_off.json" 2>&1 | quiet | tee -a "$LOG"
+# The first batch size's trace and HLO (only the HLO if the archive would be too big).
+TRACE=cht_trace/T${BENCH_TASKS}_B$B
+ABS_OUT=$(cd "$OUT" && pwd)
+(cd /tmp && tar czf "$ABS_OUT/trace.tar.gz" $TRACE 2>/dev/null)
+if [ -f "$OUT/trace.tar.gz" ] && [ "$(stat -c %s "$OUT/trace.tar.gz")" -gt 15000000 ]; then
+  (cd /tmp && tar czf "$ABS_OUT/trace.tar.gz" $(find $TRACE -name '*.hlo.txt.gz'))
+fi
+
+# Sized from the measured speed: the faster remat setting at 64 episodes a step, and as
+# many steps as fit the time left after startup, compilation, validation and evaluation.
+TRAIN_SECONDS=$(( $(left) - 120 ))
+read REMAT STEPS < <(python3 - "$OUT" "$TRAIN_SECONDS" "$B" <<'EOF'
+import json, os, sys
+out, seconds, batch = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+best = (0.0, 'auto')
+for name, remat in (('bench_remat_on.json', 'auto'), ('bench_remat_off.json', 'False')):
+  try:
+    rows = json.load(open(os.path.join(out, name)))['rows']
+  except (OSError, ValueError, KeyError):
+    continue
+  for row in rows:
+    if row['episodes_per_step'] == batch and row['steps_per_s'] > best[0]:
+      best = (row['steps_per_s'], remat)
+steps_per_s = best[0] or 10.0
+print(best[1], max(200, int(0.85 * steps_per_s * (seconds - 70)) // 100 * 100))
+EOF
+)
+say "2. recipe: $FAST_CONFIG, remat=$REMAT, $STEPS steps, stopped after $TRAIN_SECONDS s at most"
+python3 launch/fast_table1.py --workdir=/tmp/fast_t5 --train_seconds="$TRAIN_SECONDS" -- \
+    --config=$FAST_CONFIG --config.data.data_dir="$DATA_DIR" \
+    --config.model.remat="$REMAT" --config.train.num_steps="$STEPS" \
+    --eval_batch_size=64 $FAST_FLAGS 2>&1 | quiet | tee -a "$LOG"
+cp /tmp/fast_t5/curve.png "$OUT/" 2>/dev/null
+(cd /tmp && tar czf "$ABS_OUT/fast_t5.tar.gz" fast_t5/results.json fast_t5/results.md \
+    fast_t5/metrics.jsonl fast_t5/config.json fast_t5/eval 2>/dev/null)
+say "done"
