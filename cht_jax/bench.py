@@ -180,10 +180,11 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
       'sampling_share_of_step': float('nan'),
   }
   if profile_steps:
-    row['profile'] = profiling.profile_calls(one_step, profile_steps, trace_dir)
+    hlo_text = compiled.as_text()
+    row['profile'] = profiling.profile_calls(one_step, profile_steps, trace_dir, hlo_text)
     # The optimised HLO beside the trace: maps the profile's fusion names to their code.
     with gzip.open(os.path.join(row['profile']['trace_dir'], 'step.hlo.txt.gz'), 'wt') as f:
-      f.write(compiled.as_text())
+      f.write(hlo_text)
   if not extras:
     return {**row, 'peak_memory_bytes': _peak_memory_bytes()}
 

@@ -251,13 +251,20 @@ def _split_problems(c: ml_collections.ConfigDict) -> list[str]:
   problems = []
   for split, (num_classes, domain_sizes) in _split_classes(c).items():
     split_spec = spec._replace(domain_sizes=domain_sizes)
+    remedy = _remedy(spec.task_classes, split)
     if split == 'validation' and spec.task_classes == 'disjoint':
       # Validation runs as many of the T tasks as its classes allow
       # (train.validation_tasks), so it needs one task's classes.
       split_spec = split_spec._replace(num_tasks=1)
+    if split == 'train' and c.method == 'constpn':
+      # ConstPN trains on single tasks of constpn_ways_multiplier * K ways
+      # (methods/constpn.py: training_spec).
+      split_spec = split_spec._replace(num_tasks=1,
+                                       ways=c.episode.ways * c.constpn_ways_multiplier)
+      remedy = 'lower constpn_ways_multiplier'
     problems += episodes.spec_problems(
         split_spec, num_classes, split=f'the {split!r} split of {_split_name(c)}',
-        remedy=_remedy(spec.task_classes, split))
+        remedy=remedy)
   return problems
 
 
@@ -379,15 +386,6 @@ def _method_problems(c: ml_collections.ConfigDict) -> list[str]:
         f'episode.unlabeled_per_class = {c.episode.unlabeled_per_class}: unlabeled support '
         f"images reach the HyperTransformer of method = 'cht' only, not method = "
         f"{c.method!r}; set episode.unlabeled_per_class = 0.")
-  if c.method == 'constpn':
-    ways = c.episode.ways * c.constpn_ways_multiplier
-    size = len(omniglot.class_split(c.data.split_scheme, c.data.split_seed)['train'])
-    if ways > size:
-      problems.append(
-          f"method = 'constpn' trains on episode.ways * constpn_ways_multiplier = "
-          f"{c.episode.ways} * {c.constpn_ways_multiplier} = {ways}-way tasks but the "
-          f"'train' split of data.split_scheme={c.data.split_scheme!r} has only {size} "
-          'classes: lower constpn_ways_multiplier.')
   return problems
 
 

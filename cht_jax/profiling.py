@@ -2,17 +2,19 @@
 
 `profile_calls` traces a few calls of an already compiled function with
 `jax.profiler.trace` and reads the trace back with `jax.profiler.ProfileData`
-(no TensorBoard plugin needed). On a GPU the device plane's 'XLA Ops' line
-holds one event per kernel of an HLO operation (a fusion, a cuBLAS call, a
-copy); on CPU the host threads' events stand in. Times are summed per
-operation name and per the JAX source operation it came from (the `tf_op`
-stat, e.g. `jit(train_step)/.../dot_general`), so a table names both the
-fusion and the model code behind it.
+(no TensorBoard plugin needed). On a GPU the device plane's lines (its
+'XLA Ops' line, or one line per CUDA stream where XLA runs the step as CUDA
+graphs) hold one event per kernel; on CPU the host threads' events stand in.
+Times are summed per kernel name and per the JAX operation it came from, read
+from the optimised HLO's `op_name` metadata where the HLO text is given (a
+kernel is named after its fusion, '.' written '_'), else from the event's
+`tf_op` stat, so a table names both the kernel and the model code behind it.
 """
 
 import collections
 import glob
 import os
+import re
 import tempfile
 import time
 
@@ -29,8 +31,19 @@ def _stats(event) -> dict:
     return {}
 
 
-def op_times(xplane_path: str) -> dict:
-  """{'device_ns', 'ops': [(name, ns, count, source)], 'sources': [(source, ns, count)]}."""
+def hlo_sources(hlo_text: str) -> dict[str, str]:
+  """Kernel name -> the JAX `op_name` of the HLO instruction it runs."""
+  pattern = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = [^\n]*?metadata=\{op_name="([^"]*)"', re.M)
+  return {m.group(1).replace('.', '_').replace('-', '_'): m.group(2)
+          for m in pattern.finditer(hlo_text)}
+
+
+def op_times(xplane_path: str, sources: dict[str, str] | None = None) -> dict:
+  """{'device_ns', 'ops': [(name, ns, count, source)], 'sources': [(source, ns, count)]}.
+
+  `sources`: kernel name -> JAX op name (`hlo_sources`), for the source column.
+  """
+  sources = sources or {}
   data = jax.profiler.ProfileData.from_file(xplane_path)
   planes = [p for p in data.planes if p.name.startswith('/device:')]
   if not planes:  # CPU: the host plane's XLA threads.
@@ -49,13 +62,15 @@ def op_times(xplane_path: str) -> dict:
       for event in line.events:
         ns = int(event.duration_ns)
         stats = _stats(event)
-        source = str(stats.get('tf_op', '') or stats.get('long_name', ''))[:160]
+        source = sources.get(event.name) or str(stats.get('tf_op', '')
+                                                 or stats.get('long_name', ''))
+        source = source[:160]
         entry = by_op[event.name]
         entry[0] += ns
         entry[1] += 1
         entry[2] = entry[2] or source
-        # The model code behind the op, without the jit wrapper's prefix.
-        short = '/'.join(source.split('/')[1:4]) if '/' in source else source
+        # The model code behind the op: its module path, without the transformations.
+        short = '/'.join(p for p in source.split('/')[1:] if '(' not in p)[:100] or source
         by_source[short][0] += ns
         by_source[short][1] += 1
         total += ns
@@ -64,7 +79,8 @@ def op_times(xplane_path: str) -> dict:
   return {'device_ns': total, 'ops': ops, 'sources': sources}
 
 
-def profile_calls(fn, num_calls: int, trace_dir: str | None = None) -> dict:
+def profile_calls(fn, num_calls: int, trace_dir: str | None = None,
+                  hlo_text: str | None = None) -> dict:
   """Traces `num_calls` back-to-back calls of `fn` (compiled, warmed up).
 
   Returns `op_times` per call (device time, op counts) and the wall time per
@@ -83,7 +99,7 @@ def profile_calls(fn, num_calls: int, trace_dir: str | None = None) -> dict:
                  key=os.path.getmtime)
   if not paths:
     raise RuntimeError(f'The profiler wrote no trace under {trace_dir}.')
-  times = op_times(paths[-1])
+  times = op_times(paths[-1], hlo_sources(hlo_text) if hlo_text else None)
   per_call = lambda rows, i: [(*r[:i], r[i] / num_calls / 1e6, r[i + 1] / num_calls, *r[i + 2:])
                               for r in rows]
   return {'wall_ms_per_call': wall * 1e3,

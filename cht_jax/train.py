@@ -263,6 +263,7 @@ def _train(config, workdir, dataset) -> dict[str, float]:
       checkpoints.check_fits(manager, latest, jax.eval_shape(init, init_key), config)
     if dataset is None:
       dataset = datasets.load_dataset(config)
+    _check_training_episodes(method, dataset)
     state = checkpoints.restore_or_init(manager, init(init_key), config)
     workdir_lib.write_config(workdir, config)
     log = workdir_lib.MetricsLog(workdir)
@@ -274,6 +275,24 @@ def _train(config, workdir, dataset) -> dict[str, float]:
     checkpoints.close(manager)
     if log is not None:
       log.close()
+
+
+def _check_training_episodes(method, dataset) -> None:
+  """The sampler's rules against the loaded training split, before compiling.
+
+  Config validation knows class counts only from the config (the multi-domain
+  datasets' nominal counts); the loaded data may hold fewer classes.
+  """
+  if method.config.data.pipeline == 'host' or not hasattr(method, 'training_spec'):
+    return  # The host pipeline checks its own split; sequential methods sample theirs.
+  sizes = dataset.get('domain_sizes', {}).get('train', ())
+  num_classes, images_per_class = np.shape(dataset['train'])[:2]
+  problems = episodes_lib.spec_problems(
+      method.training_spec(sizes), num_classes, images_per_class,
+      split="the loaded 'train' split", remedy='fewer ways or tasks per episode, or more data')
+  if problems:
+    raise config_validation.ConfigError(
+        f'{method.display_name} cannot draw its training episodes: ' + ' '.join(problems))
 
 
 def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,

@@ -102,7 +102,7 @@ def plot_curve(curve: dict[str, list[float]], title: str, path: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
   for ax, x, label in ((axes[0], curve['episodes'], 'training episodes'),
-                       (axes[1], curve['seconds'], 'training wall clock (s)')):
+                       (axes[1], curve['seconds'], 'training wall clock, compilation included (s)')):
     ax.plot(x, curve['accuracy'], marker='o')
     ax.set_xlabel(label)
     ax.grid(alpha=0.3)

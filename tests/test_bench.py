@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cht_jax import bench
+from cht_jax import profiling
 from conftest import tiny_config
 
 
@@ -21,3 +22,30 @@ def test_bench_config_reports_every_field():
   assert 0 < latency['median'] <= latency['p90'] and latency['mean'] > 0
   assert latency['params_as_arguments_median'] > 0
   assert 0 < latency['best_round_median'] <= latency['p90']
+
+
+def test_bench_profile_names_kernels_and_the_model_code_behind_them(tmp_path):
+  """--profile_steps: per-kernel device times of the step, the trace and the HLO kept."""
+  config = tiny_config()
+  images = jnp.asarray(np.random.default_rng(0).integers(0, 256, (12, 20, 16, 16, 1), np.uint8))
+  row = bench.bench_config(config, 2, images, min_seconds=0.0, matmul_rate=100.0,
+                           extras=False, count_flops=False, profile_steps=2,
+                           trace_dir=str(tmp_path / 'trace'))
+  assert np.isnan(row['forward_episodes_per_s']) and row['steps_per_s'] > 0
+  profile = row['profile']
+  assert profile['device_ms_per_call'] > 0 and profile['ops_per_call'] > 10
+  names = [name for name, _, _, _ in profile['top_ops']]
+  assert len(set(names)) == len(names) and profile['top_ops'][0][1] >= profile['top_ops'][-1][1]
+  assert (tmp_path / 'trace' / 'step.hlo.txt.gz').exists()
+  assert 'ms/call' in profiling.format_table(profile)
+
+
+def test_hlo_sources_map_fusions_to_model_code():
+  import jax  # pylint: disable=g-import-not-at-top
+  def model(x):
+    with jax.named_scope('my_block'):
+      return jnp.tanh(x @ x.T).sum()
+  hlo = jax.jit(model).lower(jnp.ones((4, 3))).compile().as_text()
+  sources = profiling.hlo_sources(hlo)
+  assert sources and any('my_block' in s for s in sources.values())
+  assert all('.' not in name for name in sources)  # Kernel names: '.' written '_'.

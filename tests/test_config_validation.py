@@ -34,10 +34,10 @@ def test_shipped_configs_are_valid(num_tasks, variant):
     ('model.num_heads', 0, 'an integer >= 1'),
     ('model.inner_fraction', 0.0, 'a finite number > 0'),
     ('model.activation', 'swish', 'one of'),
-    ('model.conv_impl', 'fft', "one of ('auto', 'patches', 'lax', 'fused_cpu')"),
+    ('model.conv_impl', 'fft', "one of ('auto', 'patches', 'lax', 'taps', 'fused_cpu')"),
     ('model.remat', 'sometimes', "one of ('auto', True, False)"),
     ('loss', 'hinge', "one of ('class_incremental', 'task_incremental', 'cross_entropy')"),
-    ('optim.name', 'lbfgs', "one of ('sgd', 'momentum', 'adam')"),
+    ('optim.name', 'lbfgs', "one of ('sgd', 'momentum', 'adam', 'adamw', 'lamb')"),
     ('optim.learning_rate', float('nan'), 'a finite number > 0'),
     ('optim.momentum', 1.0, 'a finite number >= 0 and < 1'),
     ('data.split_scheme', 'random', "one of ('ht', 'alphabet')"),
@@ -176,7 +176,7 @@ def run_main(*args):
     (['--config=configs/omniglot_t2.py:tiny', '--config.episode.ways=0'],
      'ConfigError: The config has a problem: episode.ways = 0: must be an integer >= 1.'),
     (['--config=configs/omniglot_t2.py:tiy'],
-     "ValueError: Unknown config variant 'tiy'; expected one of ('', 'smoke', 'tiny')."),
+     "ValueError: Unknown config variant 'tiy'; expected one of ('', 'smoke', 'tiny', 'fast')."),
 ])
 def test_main_prints_one_paragraph_and_exits_1(args, expected):
   result = run_main(*args)

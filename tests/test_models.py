@@ -31,6 +31,13 @@ def test_conv_impls_agree(size, kernel_size, stride, padding):
   reference = ops.conv2d(x, kernel, stride, padding, 'lax')
   assert patches.shape == reference.shape
   np.testing.assert_allclose(patches, reference, rtol=1e-5, atol=1e-5)
+  taps = ops.conv2d(x, kernel, stride, padding, 'taps')
+  np.testing.assert_allclose(taps, reference, rtol=1e-5, atol=1e-5)
+  # The gradients too: 'taps' is a form that training differentiates.
+  loss = lambda impl: lambda x, k: jnp.sum(jnp.sin(ops.conv2d(x, k, stride, padding, impl)))
+  for got, want in zip(jax.grad(loss('taps'), (0, 1))(x, kernel),
+                       jax.grad(loss('lax'), (0, 1))(x, kernel)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_forward_with_gradient_of_runs_fast_alone_and_reference_under_differentiation():

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from cht_jax.kernels import registry
 
-CONV_IMPLS = ('auto', 'patches', 'lax', 'fused_cpu')
+CONV_IMPLS = ('auto', 'patches', 'lax', 'taps', 'fused_cpu')
 CONV_IMPL = registry.Switch('model.conv_impl', CONV_IMPLS, fallback='patches')
 # Kept public here: conv2d's 'fused_cpu' form uses it, as forward-only kernels do.
 forward_with_gradient_of = registry.forward_with_gradient_of
@@ -76,6 +76,8 @@ def conv2d(x: jax.Array, kernel: jax.Array, stride: int = 1, padding: str = 'SAM
   patches_conv = functools.partial(_patches_conv, stride=stride, padding=padding)
   if impl == 'lax':
     return lax_conv(x, kernel)
+  if impl == 'taps':
+    return _taps_conv(x, kernel, stride=stride, padding=padding)
   if impl == 'fused_cpu':
     return forward_with_gradient_of(lax_conv, patches_conv)(x, kernel)
   return patches_conv(x, kernel)
@@ -85,6 +87,23 @@ def _lax_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: str) -> jax
   return jax.lax.conv_general_dilated(
       x, kernel, window_strides=(stride, stride), padding=padding,
       dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+
+def _taps_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: str) -> jax.Array:
+  """A sum of k*k products of shifted (strided) views with kernel[i, j]: no patches
+  tensor (k*k times the input) is written, which on a GPU is the step's largest cost."""
+  kh, kw, _, _ = kernel.shape
+  _, h, w, _ = x.shape
+  pad_h, pad_w = _padding(h, kh, stride, padding), _padding(w, kw, stride, padding)
+  x = jnp.pad(x, ((0, 0), pad_h, pad_w, (0, 0)))
+  out_h = (x.shape[1] - kh) // stride + 1
+  out_w = (x.shape[2] - kw) // stride + 1
+  out = 0.0
+  for i in range(kh):
+    for j in range(kw):
+      view = x[:, i:i + stride * (out_h - 1) + 1:stride, j:j + stride * (out_w - 1) + 1:stride, :]
+      out = out + view @ kernel[i, j]
+  return out
 
 
 def _patches_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: str) -> jax.Array:

@@ -1,0 +1,110 @@
+"""The ':fast' recipe's levers (issue 16): head scale, schedules, optimisers, the variant."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cht_jax import config_validation
+from cht_jax import continual
+from cht_jax import models
+from cht_jax import train
+from cht_jax.models import hypertransformer as ht_lib
+from conftest import make_episode, override, tiny_config
+
+
+def _init(config, episode):
+  ht = models.build_hypertransformer(config)
+  theta = ht_lib.zeros_theta(ht.cnn, episode['support_images'].shape[2:])
+  params = ht.init(jax.random.key(0), episode['support_images'][0],
+                   episode['support_labels'][0], theta)['params']
+  return ht, params, theta
+
+
+def test_head_scale_multiplies_the_generated_head_and_nothing_else(tiny_episode):
+  scaled, scaled_params, theta = _init(tiny_config(**{'model.head_scale': 0.25}), tiny_episode)
+  plain, plain_params, _ = _init(tiny_config(), tiny_episode)
+  assert 'head_output_scale' not in plain_params  # 0: the paper's parameters exactly.
+  assert float(scaled_params['head_output_scale']) == 0.25
+  shared = {k: v for k, v in scaled_params.items() if k != 'head_output_scale'}
+  args = (tiny_episode['support_images'][0], tiny_episode['support_labels'][0], theta)
+  with_scale = scaled.apply({'params': scaled_params}, *args)
+  without = plain.apply({'params': shared}, *args)
+  for name in without:
+    factor = 0.25 if name == 'head' else 1.0
+    for key in without[name]:
+      np.testing.assert_allclose(with_scale[name][key], factor * without[name][key],
+                                 rtol=1e-6, atol=1e-7)
+
+
+def test_fast_head_scale_starts_the_paper_model_near_log_classes():
+  """The full Omniglot model (20-way, T=1): the first loss is O(log 20) with the
+  ':fast' head scale, and in the tens or hundreds without it (issue 16)."""
+  from configs import omniglot_t1  # pylint: disable=g-import-not-at-top
+  episode = make_episode(jax.random.key(2), num_tasks=1, ways=20, shots=1, queries=3, size=28)
+  losses = {}
+  for scale in (0.0, omniglot_t1.get_config('fast').model.head_scale):
+    config = override(omniglot_t1.get_config(), {'model.head_scale': scale,
+                                                  'model.conv_impl': 'patches'})
+    ht, params, _ = _init(config, episode)
+    losses[scale] = float(jax.jit(lambda p: continual.episode_loss(
+        ht, p, episode, remat=False)[0])(params))
+  assert losses[0.1] < 2 * np.log(20), losses
+  assert losses[0.0] > 10 * np.log(20), losses
+
+
+def test_cosine_schedule_with_warmup():
+  config = tiny_config(**{'optim.schedule': 'cosine', 'optim.learning_rate': 0.1,
+                          'optim.decay_steps': 100, 'optim.warmup_steps': 10,
+                          'optim.end_fraction': 0.1})
+  schedule = train.learning_rate_schedule(config.optim)
+  values = np.array([schedule(s) for s in range(0, 101)])
+  np.testing.assert_allclose(values[[0, 5, 10, 100]], [0.0, 0.05, 0.1, 0.01], rtol=1e-5,
+                             atol=1e-8)
+  assert np.all(np.diff(values[:11]) > 0) and np.all(np.diff(values[10:]) <= 1e-9)
+  np.testing.assert_allclose(values[55], 0.01 + 0.09 * 0.5, rtol=1e-5)  # Half way down.
+
+
+def test_warmup_before_the_papers_schedule():
+  config = tiny_config(**{'optim.learning_rate': 0.1, 'optim.decay_steps': 10,
+                          'optim.decay_rate': 0.5, 'optim.warmup_steps': 4})
+  schedule = train.learning_rate_schedule(config.optim)
+  # After the warmup the exponential schedule counts from the end of the warmup.
+  np.testing.assert_allclose([schedule(0), schedule(2), schedule(4), schedule(14)],
+                             [0.0, 0.05, 0.1, 0.05], rtol=1e-6)
+
+
+@pytest.mark.parametrize('name', ['adamw', 'lamb'])
+def test_more_optimizers_take_steps(name):
+  config = tiny_config(**{'optim.name': name, 'optim.weight_decay': 1e-4})
+  optimizer = train.make_optimizer(config.optim)
+  params = {'w': jnp.ones(3)}
+  state = optimizer.init(params)
+  updates, _ = optimizer.update({'w': jnp.array([1.0, -1.0, 0.5])}, state, params)
+  assert np.all(np.isfinite(updates['w'])) and float(jnp.abs(updates['w']).sum()) > 0
+
+
+def test_fast_variant_schedule_follows_a_num_steps_override():
+  from configs import omniglot_t5  # pylint: disable=g-import-not-at-top
+  config = omniglot_t5.get_config('fast')
+  config_validation.validate(config, num_devices=1)
+  assert (config.optim.schedule, config.optim.decay_steps) == ('cosine', config.train.num_steps)
+  config.train.num_steps = 1000  # As --config.train.num_steps=1000 does.
+  assert (config.optim.decay_steps, config.optim.warmup_steps) == (1000, 50)
+  assert (config.train.eval_every_steps, config.train.checkpoint_every_steps) == (100, 250)
+  config.optim.decay_steps = 5000  # Overriding the schedule leaves the run's length alone.
+  assert (config.train.num_steps, config.optim.decay_steps) == (1000, 5000)
+  paper = omniglot_t5.get_config()
+  assert (paper.optim.name, paper.optim.schedule, paper.model.head_scale) == ('sgd',
+                                                                               'exponential', 0.0)
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('optim.schedule', 'linear', "optim.schedule = 'linear': must be one of"),
+    ('optim.end_fraction', 1.5, 'optim.end_fraction = 1.5'),
+    ('model.head_scale', -1.0, 'model.head_scale = -1.0'),
+    ('optim.name', 'adagrad', "optim.name = 'adagrad'"),
+])
+def test_recipe_config_mistakes_are_named(field, value, message):
+  with pytest.raises(config_validation.ConfigError, match=message):
+    config_validation.validate(tiny_config(**{field: value}), num_devices=1)
