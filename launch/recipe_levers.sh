@@ -46,7 +46,7 @@ for path in sorted(glob.glob(os.path.join(root, '*', 'metrics.jsonl'))):
   ax.plot(*zip(*val), marker='.', label=name)
   rows.append((name, first, val[len(val) // 2][1], val[-1][1], val[-1][0]))
 ax.set_xlabel('training episodes (T=2, 1 per step)')
-ax.set_ylabel('validation accuracy (class-incremental, 50 classes)')
+ax.set_ylabel('validation accuracy (class-incr., mean over pairs)')
 ax.grid(alpha=0.3)
 ax.legend(fontsize=8)
 fig.tight_layout()

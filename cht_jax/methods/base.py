@@ -89,12 +89,12 @@ class EpisodicMethod(Method):
     averages the episode loss's gradient over them, split over `mesh`."""
     del variant, inputs
     config = self.config
+    spec = self.training_spec(domain_sizes)
     if host:  # `data` is the step's episode batch.
       episodes = pipeline.device_episodes(data)
     else:
       episodes = episodes_lib.sample_episodes(
-          key, data, self.training_spec(domain_sizes), config.train.episodes_per_step,
-          rotate=config.data.rotate)
+          key, data, spec, config.train.episodes_per_step, rotate=config.data.rotate)
       # Sampled whole on every device (a few ms per step), then split: with the
       # batch's sharding propagated into it, XLA gathered the sampler's scores
       # around its top-k, and two all-gathers in flight at once can hang
@@ -105,8 +105,7 @@ class EpisodicMethod(Method):
                                             datasets.augment_spec(config))
     episodes = jax.lax.with_sharding_constraint(episodes, jax.NamedSharding(mesh, jax.P('data')))
     vectorize = continual.vectorize_option(config.model.vectorize)
-    remat = continual.remat_option(config.model.remat, vectorize,
-                                   self.training_spec(domain_sizes).num_tasks)
+    remat = continual.remat_option(config.model.remat, vectorize, spec.num_tasks)
     loss_fn = lambda p, episode: self.episode_loss(p, episode, config.loss, remat,
                                                    vectorize=vectorize)
     return devices.batch_grads(loss_fn, params, episodes, mesh, vectorize)
