@@ -11,7 +11,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / 'cht_jax'
 FLOORS = (
     ('kernels', 'models', 'data', 'losses', 'metrics', 'devices'),  # The math and the data.
     ('continual', 'config_validation'),
-    ('checkpoints', 'workdir', 'preemption', 'divergence', 'reports', 'plots'),  # Infrastructure.
+    ('checkpoints', 'workdir', 'preemption', 'divergence', 'reports', 'plots',
+     'profiling'),  # Infrastructure.
     ('baselines', 'methods'),  # What produces theta_t.
     ('evaluate',),  # The protocol.
     ('train', 'api'),
