@@ -85,6 +85,14 @@ def default_workdir(config_flag: str) -> str:
                                          else name))
 
 
+def _say(message: str) -> None:
+  """The run's last word, on a line of its own: one write, so that what Orbax's
+  background threads print while they shut down (a failed save's tracebacks)
+  cannot split it."""
+  sys.stderr.write(f'\n{message}\n')
+  sys.stderr.flush()
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -114,10 +122,10 @@ def main(argv):
     else:
       train.train_and_evaluate(config, workdir)
   except train.USER_ERRORS as e:  # Their message says what is wrong and what to do.
-    print(f'{type(e).__name__}: {e}', file=sys.stderr)
+    _say(f'{type(e).__name__}: {e}')
     return 1
   except preemption.Preempted as e:
-    print(f'{e.label}: {e}', file=sys.stderr)
+    _say(f'{e.label}: {e}')
     return e.exit_code
   except Exception as e:  # pylint: disable=broad-except
     if jax.process_count() == 1 or not lost_process(e):

@@ -125,7 +125,8 @@ def trained_steps(workdir):
 
 
 def error_line(log, name):
-  lines = [line for line in log.splitlines() if line.startswith(f'{name}: ')]
+  # From the name on: a line of its own, unless another thread's output got in front.
+  lines = [line[line.index(f'{name}: '):] for line in log.splitlines() if f'{name}: ' in line]
   # Not found: show the first traceback or error, not the shutdown noise after it.
   first = next((i for i, line in enumerate(log.splitlines())
                 if line.startswith('Traceback') or 'Error' in line.split(':')[0]), 0)
