@@ -99,9 +99,11 @@ def default_protocol(config: ml_collections.ConfigDict, **overrides) -> Protocol
   return Protocol(**values)
 
 
-def _split_and_spec(config, protocol: Protocol, class_images):
-  """The split's images (loaded when None) and the evaluation spec over them."""
-  domain_sizes = ()
+def _split_and_spec(config, protocol: Protocol, class_images, domain_sizes=()):
+  """The split's images (loaded when None) and the evaluation spec over them.
+
+  `domain_sizes`: the given split's classes per domain (task_classes='domain').
+  """
   if class_images is None:
     dataset = datasets.load_dataset(config)
     class_images = dataset[protocol.split]
@@ -304,7 +306,8 @@ def summarize(per_episode: dict[str, np.ndarray], trained_tasks: int) -> dict[st
 
 def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
              class_images: np.ndarray | None = None,
-             method: methods.Method | None = None) -> dict[str, Any]:
+             method: methods.Method | None = None,
+             domain_sizes: tuple[int, ...] = ()) -> dict[str, Any]:
   """Runs the protocol on `params` and summarises it (no files).
 
   Args:
@@ -314,6 +317,8 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
     class_images: uint8 [C, M, H, W, 1] of the split; None to load
       `protocol.split` with `datasets.load_dataset(config)`.
     method: `methods.build(config)` if None.
+    domain_sizes: with `class_images` of a multi-domain split, its classes per
+      domain (`datasets.load_dataset(config)['domain_sizes'][split]`).
 
   Returns:
     The `summarize` dict plus 'protocol', 'episode', 'timing' and 'method'.
@@ -326,7 +331,7 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
     raise EvaluationError(
         f'{method.display_name} was trained for {method.max_eval_tasks} tasks and cannot '
         f'be evaluated on {protocol.num_tasks}; use --eval_tasks <= {method.max_eval_tasks}.')
-  class_images, spec = _split_and_spec(config, protocol, class_images)
+  class_images, spec = _split_and_spec(config, protocol, class_images, domain_sizes)
   logging.info('Evaluating %s on %s: %s.', method.display_name, protocol.split, protocol)
   per_episode = run_protocol(method, params, class_images, protocol, spec)
   results = summarize(per_episode, trained_tasks=method.trained_tasks(protocol.num_tasks))
@@ -379,7 +384,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   params, step = restore_params(workdir, config, step, method)
   protocol = default_protocol(config, **protocol_overrides)
   class_images = None if dataset is None else dataset[protocol.split]
-  results = evaluate(config, params, protocol, class_images, method)
+  domain_sizes = () if dataset is None else dataset.get('domain_sizes', {}).get(protocol.split, ())
+  results = evaluate(config, params, protocol, class_images, method, domain_sizes)
   results.update(workdir=os.path.abspath(workdir), step=step,
                  config=json.loads(config.to_json_best_effort()))
   prefix = reports.result_prefix(workdir, protocol, step)

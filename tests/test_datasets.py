@@ -538,27 +538,33 @@ def test_multidomain_evaluation_draws_one_domain_per_task(tmp_path):
 
 @pytest.mark.parametrize('method', ['cht', 'constpn'])
 def test_multidomain_checkpoint_evaluates_as_mode_eval_does(tmp_path, method):
-  """Section 5.3 end to end under mock data: train ConstPN or CHT on domain tasks, then
-  `evaluate_checkpoint` (what `--mode=eval` runs) scores the checkpoint on test domains."""
+  """Section 5.3 end to end on mock data: train ConstPN or CHT on domain tasks, then
+  `evaluate_checkpoint` (what `--mode=eval` runs) scores the checkpoint on test domains.
+
+  Only the loading runs under `mock_data` (it also redirects file paths, which Orbax's
+  checkpoints must not see); the loaded dataset, domain sizes included, goes to both.
+  """
   from configs import multidomain_t2  # pylint: disable=g-import-not-at-top
   config = multidomain_t2.get_config('tiny')
   config.method = method
   config.data.domains = ('caltech101', 'cars196', 'stanford_dogs')
   config.data.data_dir = str(tmp_path / 'tfds')
-  workdir = str(tmp_path / 'run')
   with tfds.testing.mock_data(as_dataset_fn=_fake_as_dataset, data_dir=config.data.data_dir):
-    if method == 'constpn':
-      # 2 x 5 = 10-way training tasks from one domain: the mock domains have 6 classes,
-      # which the config check (nominal counts) cannot know; training says so first.
-      with pytest.raises(config_validation.ConfigError, match='ConstPN cannot draw its '
-                         'training episodes: episode.ways = 10 classes per task'):
-        train.train_and_evaluate(config, str(tmp_path / 'too_many_ways'))
-      config.constpn_ways_multiplier = 3
-    train.train_and_evaluate(config, workdir)
-    results, paths = evaluate.evaluate_checkpoint(
-        config, workdir, plot=False, num_episodes=4, num_query_draws=1, queries_per_class=1,
-        batch_size=2)
+    dataset = datasets.load_dataset(config)
+  workdir = str(tmp_path / 'run')
+  if method == 'constpn':
+    # 2 x 5 = 10-way training tasks from one domain: the mock domains have 6 classes,
+    # which the config check (nominal counts) cannot know; training says so first.
+    with pytest.raises(config_validation.ConfigError, match='ConstPN cannot draw its '
+                       'training episodes: episode.ways = 10 classes per task'):
+      train.train_and_evaluate(config, str(tmp_path / 'too_many_ways'), dataset)
+    config.constpn_ways_multiplier = 3
+  train.train_and_evaluate(config, workdir, dataset)
+  results, paths = evaluate.evaluate_checkpoint(
+      config, workdir, plot=False, dataset=dataset, num_episodes=4, num_query_draws=1,
+      queries_per_class=1, batch_size=2)
   assert results['step'] == config.train.num_steps
+  assert tuple(results['episode']['domain_sizes']) == tuple(dataset['domain_sizes']['test'])
   assert len(results['episode']['domain_sizes']) == 3  # The test split's three domains.
   accuracy = results['table']['class_incremental']['mean']
   assert len(accuracy) == 2 and all(0 <= a <= 1 for a in accuracy)
