@@ -89,32 +89,31 @@ def _lax_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: str) -> jax
       dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
 
 
-def _taps_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: str) -> jax.Array:
-  """A sum of k*k products of shifted (strided) views with kernel[i, j]: no patches
-  tensor (k*k times the input) is written, which on a GPU is the step's largest cost."""
-  kh, kw, _, _ = kernel.shape
+def _shifted_views(x: jax.Array, kh: int, kw: int, stride: int, padding: str) -> list:
+  """The kh*kw shifted (strided) views of padded `x`, tap (i, j) in row-major order:
+  view[i * kw + j][n, y, x', c] = x_padded[n, i + stride * y, j + stride * x', c]."""
   _, h, w, _ = x.shape
   pad_h, pad_w = _padding(h, kh, stride, padding), _padding(w, kw, stride, padding)
   x = jnp.pad(x, ((0, 0), pad_h, pad_w, (0, 0)))
   out_h = (x.shape[1] - kh) // stride + 1
   out_w = (x.shape[2] - kw) // stride + 1
+  return [x[:, i:i + stride * (out_h - 1) + 1:stride, j:j + stride * (out_w - 1) + 1:stride, :]
+          for i in range(kh) for j in range(kw)]
+
+
+def _taps_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: str) -> jax.Array:
+  """A sum of k*k products of shifted (strided) views with kernel[i, j]: no patches
+  tensor (k*k times the input) is written, which on a GPU is the step's largest cost."""
+  kh, kw, c_in, c_out = kernel.shape
+  taps = kernel.reshape(kh * kw, c_in, c_out)
   out = 0.0
-  for i in range(kh):
-    for j in range(kw):
-      view = x[:, i:i + stride * (out_h - 1) + 1:stride, j:j + stride * (out_w - 1) + 1:stride, :]
-      out = out + view @ kernel[i, j]
+  for view, tap in zip(_shifted_views(x, kh, kw, stride, padding), taps):
+    out = out + view @ tap
   return out
 
 
 def _patches_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: str) -> jax.Array:
   kh, kw, c_in, c_out = kernel.shape
-  _, h, w, _ = x.shape
-  pad_h, pad_w = _padding(h, kh, stride, padding), _padding(w, kw, stride, padding)
-  x = jnp.pad(x, ((0, 0), pad_h, pad_w, (0, 0)))
-  out_h = (x.shape[1] - kh) // stride + 1
-  out_w = (x.shape[2] - kw) // stride + 1
   # Patch features in (kh, kw, c_in) order, matching kernel.reshape(-1, c_out).
-  patches = jnp.concatenate([
-      x[:, i:i + stride * (out_h - 1) + 1:stride, j:j + stride * (out_w - 1) + 1:stride, :]
-      for i in range(kh) for j in range(kw)], axis=-1)
+  patches = jnp.concatenate(_shifted_views(x, kh, kw, stride, padding), axis=-1)
   return patches @ kernel.reshape(kh * kw * c_in, c_out)
