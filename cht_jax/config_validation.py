@@ -161,10 +161,12 @@ SCHEMA: dict[str, Check] = {
     'model.generate_bn': _boolean,
     'model.head_scale': _number(0, inclusive=True),
     'model.conv_impl': _choice(ops.CONV_IMPLS),
+    'model.compute_dtype': _choice(ops.COMPUTE_DTYPES),
     'model.encoder_impl': _choice(transformer.ENCODER_IMPLS),
     'model.remat': _remat,
     'model.vectorize': _choice(continual.VECTORIZE_OPTIONS),
     'loss': _choice(losses.LOSSES),
+    'label_smoothing': _number(0, inclusive=True, maximum=1),
     'method': _choice(METHODS),
     'constpn_ways_multiplier': _integer(1),
     'optim.name': _choice(OPTIMIZERS),
@@ -357,7 +359,11 @@ def _model_problems(c: ml_collections.ConfigDict, num_devices: int) -> list[str]
     problems.append(
         f'train.episodes_per_step = {c.train.episodes_per_step} must be a multiple '
         f'of the {num_devices} devices the batch is split over.')
-  if c.model.conv_impl == 'fused_cpu':  # Where it cannot run ('auto' falls back).
+  if c.model.conv_impl == 'fused_cpu' and c.model.compute_dtype != 'float32':
+    problems.append(
+        f"model.conv_impl = 'fused_cpu' computes in float32 only, not model.compute_dtype "
+        f"= {c.model.compute_dtype!r}; use conv_impl auto or patches, or float32.")
+  elif c.model.conv_impl == 'fused_cpu':  # Where it cannot run ('auto' falls back).
     try:
       ops.resolve_conv_impl(c.model.conv_impl, second_order=c.method == 'maml')
     except ValueError as e:
@@ -386,6 +392,11 @@ def _method_problems(c: ml_collections.ConfigDict) -> list[str]:
         f'episode.unlabeled_per_class = {c.episode.unlabeled_per_class}: unlabeled support '
         f"images reach the HyperTransformer of method = 'cht' only, not method = "
         f"{c.method!r}; set episode.unlabeled_per_class = 0.")
+  if c.method in ('finetune', 'ewc', 'maml') and c.label_smoothing:
+    problems.append(
+        f'label_smoothing = {c.label_smoothing}: it smooths the episode loss of '
+        f"'cht', 'constpn' and 'merged_ht', not the gradient steps of method = "
+        f"{c.method!r}; set label_smoothing = 0.")
   return problems
 
 

@@ -89,6 +89,11 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   # (cht_jax/kernels/cpu), else 'patches'; 'lax' and 'fused_cpu' on demand.
   # Same numbers up to float rounding (docs/performance.md).
   config.model.conv_impl = 'auto'
+  # 'bfloat16': every convolution with bfloat16 operands and float32 accumulation
+  # (mixed precision, for accelerators; not the paper's). The transformers, the
+  # losses and the parameters stay float32. The fused CPU kernel is float32 only:
+  # with 'bfloat16', 'auto' runs 'patches'.
+  config.model.compute_dtype = 'float32'
   # 'auto': forward-only passes of the transformers (generating theta for
   # evaluation) as one C++ call per stack on CPU (cht_jax/kernels/cpu), else
   # 'xla'; training always differentiates the XLA form.
@@ -103,6 +108,8 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.model.vectorize = 'auto'
 
   config.loss = 'class_incremental'  # or 'task_incremental', 'cross_entropy'.
+  # Training only: 1 - eps on the label, eps over the other seen classes (0 = the paper).
+  config.label_smoothing = 0.0
   # What makes the CNN's weights (cht_jax/methods/): 'cht', or the baselines
   # 'constpn' (trained CNN, prototypical network) and 'merged_ht' (one HT over
   # the T tasks merged into one K*T-way task), or the Table 1 baselines trained

@@ -3,14 +3,18 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from cht_jax import config_validation
 from cht_jax import continual
+from cht_jax import devices
+from cht_jax import losses
+from cht_jax import methods
 from cht_jax import models
 from cht_jax import train
 from cht_jax.models import hypertransformer as ht_lib
-from conftest import make_episode, override, tiny_config
+from conftest import class_images, make_episode, override, tiny_config
 
 
 def _init(config, episode):
@@ -104,7 +108,44 @@ def test_fast_variant_schedule_follows_a_num_steps_override():
     ('optim.end_fraction', 1.5, 'optim.end_fraction = 1.5'),
     ('model.head_scale', -1.0, 'model.head_scale = -1.0'),
     ('optim.name', 'adagrad', "optim.name = 'adagrad'"),
+    ('label_smoothing', 1.0, 'label_smoothing = 1.0: must be a finite number >= 0 and < 1'),
+    ('method', 'maml', "label_smoothing = 0.1: it smooths the episode loss"),
 ])
 def test_recipe_config_mistakes_are_named(field, value, message):
+  config = tiny_config(**{'label_smoothing': 0.1, field: value})
   with pytest.raises(config_validation.ConfigError, match=message):
-    config_validation.validate(tiny_config(**{field: value}), num_devices=1)
+    config_validation.validate(config, num_devices=1)
+
+
+def test_label_smoothing_spreads_eps_over_the_seen_classes_only():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(6, 10)).astype(np.float32) * 3
+  logits[:, 6:] = losses.MASKED_LOGIT  # Classes of tasks not seen yet.
+  targets = np.array([0, 5, 2, 3, 1, 4])
+  eps = 0.2
+  got, accuracy = losses.cross_entropy_and_accuracy(jnp.asarray(logits), jnp.asarray(targets),
+                                                    label_smoothing=eps)
+  seen = logits[:, :6].astype(np.float64)
+  log_p = seen - np.log(np.exp(seen).sum(axis=1, keepdims=True))
+  target = np.full((6, 6), eps / 6) + (1 - eps) * np.eye(6)[targets]
+  np.testing.assert_allclose(got, -(target * log_p).sum(axis=1).mean(), rtol=1e-5)
+  plain, plain_accuracy = losses.cross_entropy_and_accuracy(jnp.asarray(logits),
+                                                            jnp.asarray(targets))
+  np.testing.assert_allclose(plain, -log_p[np.arange(6), targets].mean(), rtol=1e-5)
+  assert accuracy == plain_accuracy  # Smoothing changes the loss, not the scores.
+
+
+def test_label_smoothing_reaches_the_training_step():
+  """config.label_smoothing changes the loss a training step differentiates."""
+  images = jnp.asarray(class_images())
+  results = {}
+  for eps in (0.0, 0.3):
+    config = config_validation.validate(tiny_config(**{'label_smoothing': eps}), num_devices=1)
+    method = methods.build(config)
+    params = method.init(jax.random.key(0))
+    results[eps] = jax.jit(lambda p, m=method: m.grads(p, images, jax.random.key(1),
+                                                        mesh=devices.data_mesh(1)))(params)
+  (grads_plain, plain), (grads_smooth, smooth) = results[0.0], results[0.3]
+  assert smooth['accuracy'] == plain['accuracy']  # The same episodes, the same scores ...
+  assert abs(float(smooth['loss']) - float(plain['loss'])) > 1e-3  # ... another loss.
+  assert optax.tree.norm(jax.tree.map(jnp.subtract, grads_plain, grads_smooth)) > 0

@@ -31,7 +31,8 @@ def build_cnn(config: ml_collections.ConfigDict, num_outputs: int) -> cnn_lib.CN
   model = config.model
   conv_impl = ops.resolve_conv_impl(model.conv_impl, second_order=config.method == 'maml')
   return cnn_lib.CNN(channels=(model.channels,) * model.num_blocks,
-                     embedding_dim=num_outputs, conv_impl=conv_impl)
+                     embedding_dim=num_outputs, conv_impl=conv_impl,
+                     compute_dtype=model.compute_dtype)
 
 
 def init_theta(cnn: cnn_lib.CNN, key: jax.Array, image_size: int) -> Any:

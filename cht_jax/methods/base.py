@@ -106,8 +106,9 @@ class EpisodicMethod(Method):
     episodes = jax.lax.with_sharding_constraint(episodes, jax.NamedSharding(mesh, jax.P('data')))
     vectorize = continual.vectorize_option(config.model.vectorize)
     remat = continual.remat_option(config.model.remat, vectorize, spec.num_tasks)
-    loss_fn = lambda p, episode: self.episode_loss(p, episode, config.loss, remat,
-                                                   vectorize=vectorize)
+    loss_fn = lambda p, episode: self.episode_loss(
+        p, episode, config.loss, remat, vectorize=vectorize,
+        label_smoothing=config.label_smoothing)
     return devices.batch_grads(loss_fn, params, episodes, mesh, vectorize)
 
   def episode_accuracies(self, params, episode, pairs: continual.TaskPairs,
@@ -185,13 +186,14 @@ def broadcast(tree: Any, num_tasks: int) -> Any:
 
 
 def loss_over_pairs(method, params, episode, loss: str, remat: bool,
-                    pairs: continual.TaskPairs, vectorize: bool | None = None):
+                    pairs: continual.TaskPairs, vectorize: bool | None = None,
+                    label_smoothing: float = 0.0):
   """`continual.episode_loss` with the thetas of `method` and the given pairs."""
   thetas, prototypes = method.thetas_and_prototypes(
       params, episode['support_images'], episode['support_labels'], remat=remat,
       **unlabeled_support(episode))
   return continual.pairs_loss(method.cnn, thetas, prototypes, episode, loss, pairs, remat,
-                              vectorize)
+                              vectorize, label_smoothing)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,15 +54,18 @@ def batch_stat_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Arra
 
 
 @registry.overridable('conv_block', ops.CONV_IMPL, setting='conv_impl')
-def conv_block(x: jax.Array, block: dict, conv_impl: str) -> jax.Array:
+def conv_block(x: jax.Array, block: dict, conv_impl: str,
+               compute_dtype: str = 'float32') -> jax.Array:
   """conv -> ReLU -> max-pool -> BatchNorm: [N, H, W, C_in] -> [N, H//2, W//2, C_out].
 
-  `block` holds 'kernel' [k, k, C_in, C_out], 'scale' and 'bias' [C_out].
+  `block` holds 'kernel' [k, k, C_in, C_out], 'scale' and 'bias' [C_out]; the
+  conv computes in `compute_dtype` (`ops.conv2d`), the rest in float32.
   Where `conv_impl` is 'fused_cpu', or 'auto' on CPU and the kernel takes these
   shapes, the backend's kernel for 'conv_block' runs instead (one C++ call each
   way, `cht_jax.kernels.cpu`) and this is what it must equal.
   """
-  x = max_pool_2x2(jax.nn.relu(ops.conv2d(x, block['kernel'], impl=conv_impl)))
+  x = ops.conv2d(x, block['kernel'], impl=conv_impl, compute_dtype=compute_dtype)
+  x = max_pool_2x2(jax.nn.relu(x))
   return batch_stat_norm(x, block['scale'], block['bias'])
 
 
@@ -84,6 +87,7 @@ class ConvBlock(nn.Module):
   features: int
   kernel_size: int
   conv_impl: str
+  compute_dtype: str = 'float32'
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -94,7 +98,7 @@ class ConvBlock(nn.Module):
         'scale': self.param('scale', nn.initializers.ones, (self.features,)),
         'bias': self.param('bias', nn.initializers.zeros, (self.features,)),
     }
-    return conv_block(x, block, self.conv_impl)
+    return conv_block(x, block, self.conv_impl, self.compute_dtype)
 
 
 class Head(nn.Module):
@@ -119,18 +123,20 @@ class CNN(nn.Module):
     channels: output channels of each conv block.
     embedding_dim: width of the final dense layer (an embedding for the
       prototypical loss, K logits for cross-entropy).
-    conv_impl: see `ops.conv2d`.
+    conv_impl, compute_dtype: see `ops.conv2d`.
     kernel_size: conv kernel size (3 in the paper).
   """
   channels: Sequence[int] = (8, 8, 8, 8)
   embedding_dim: int = 20
   conv_impl: str = 'patches'
   kernel_size: int = 3
+  compute_dtype: str = 'float32'
 
   @nn.compact
   def __call__(self, images: jax.Array) -> jax.Array:
     """[N, H, W, C] images -> [N, embedding_dim] embeddings."""
     x = images
     for i, c_out in enumerate(self.channels):
-      x = ConvBlock(c_out, self.kernel_size, self.conv_impl, name=f'block_{i}')(x)
+      x = ConvBlock(c_out, self.kernel_size, self.conv_impl, self.compute_dtype,
+                    name=f'block_{i}')(x)
     return Head(self.embedding_dim, name='head')(x)

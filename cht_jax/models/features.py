@@ -14,13 +14,15 @@ class Conv(nn.Module):
   stride: int = 1
   padding: str = 'SAME'
   impl: str = 'patches'
+  compute_dtype: str = 'float32'
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.param('kernel', nn.initializers.glorot_uniform(),
                         (self.kernel_size, self.kernel_size, x.shape[-1], self.features))
     bias = self.param('bias', nn.initializers.zeros, (self.features,))
-    return ops.conv2d(x, kernel, self.stride, self.padding, self.impl) + bias
+    return ops.conv2d(x, kernel, self.stride, self.padding, self.impl,
+                      self.compute_dtype) + bias
 
 
 class ImageFeatureExtractor(nn.Module):
@@ -33,6 +35,7 @@ class ImageFeatureExtractor(nn.Module):
   num_layers: int = 4
   kernel_size: int = 3
   conv_impl: str = 'patches'
+  compute_dtype: str = 'float32'
 
   @nn.compact
   def __call__(self, images: jax.Array) -> jax.Array:
@@ -40,7 +43,7 @@ class ImageFeatureExtractor(nn.Module):
     for i in range(self.num_layers):
       stride = 2 if i < self.num_layers - 1 else 1
       x = Conv(self.features, self.kernel_size, stride, 'SAME', self.conv_impl,
-               name=f'conv_{i}')(x)
+               self.compute_dtype, name=f'conv_{i}')(x)
       x = jax.nn.relu(x)
     return jnp.mean(x, axis=(1, 2))
 
@@ -78,13 +81,15 @@ class ActivationFeatureExtractor(nn.Module):
   num_layers: int = 2
   kernel_size: int = 3
   conv_impl: str = 'patches'
+  compute_dtype: str = 'float32'
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     outputs = []
     for i, (k, stride) in enumerate(
         activation_conv_plan(x.shape[1], self.num_layers, self.kernel_size)):
-      x = Conv(self.features, k, stride, 'VALID', self.conv_impl, name=f'conv_{i}')(x)
+      x = Conv(self.features, k, stride, 'VALID', self.conv_impl, self.compute_dtype,
+               name=f'conv_{i}')(x)
       outputs.append(jnp.mean(x, axis=(1, 2)))
       x = jax.nn.relu(x)
     return jnp.concatenate(outputs, axis=-1)

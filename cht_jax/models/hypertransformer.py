@@ -80,6 +80,9 @@ class HyperTransformer(nn.Module):
   Attributes:
     num_ways: K, classes per task (K + 1 label embeddings, the last unlabeled).
     channels, cnn_embedding_dim, kernel_size, conv_impl: the generated CNN.
+    compute_dtype: 'float32' (the paper), or 'bfloat16': every convolution (the
+      generated CNN's and the feature extractors') with bfloat16 operands and
+      float32 accumulation (`ops.conv2d`); the transformers stay float32.
     embedding_dim: width of label and weight embeddings (32 in the paper).
     image_features: width of the shared image feature extractor.
     activation_features: filters of each per-layer activation extractor
@@ -112,12 +115,14 @@ class HyperTransformer(nn.Module):
   encoder_impl: str = 'xla'
   generate_bn: bool = False
   head_scale: float = 0.0
+  compute_dtype: str = 'float32'
 
   @property
   def cnn(self) -> cnn_lib.CNN:
     return cnn_lib.CNN(channels=tuple(self.channels),
                        embedding_dim=self.cnn_embedding_dim,
-                       conv_impl=self.conv_impl, kernel_size=self.kernel_size)
+                       conv_impl=self.conv_impl, kernel_size=self.kernel_size,
+                       compute_dtype=self.compute_dtype)
 
   def _generate_layer(self, name: str, activations, image_features, labels,
                       prev_slices, num_extractor_convs: int):
@@ -126,7 +131,8 @@ class HyperTransformer(nn.Module):
     act_features = features_lib.ActivationFeatureExtractor(
         features=self.activation_features or max(self.channels),
         num_layers=num_extractor_convs, kernel_size=self.kernel_size,
-        conv_impl=self.conv_impl, name=f'{name}_activation_features')(activations)
+        conv_impl=self.conv_impl, compute_dtype=self.compute_dtype,
+        name=f'{name}_activation_features')(activations)
     sample_features = jnp.concatenate([act_features, image_features], axis=-1)
     emb = self.embedding_dim
     width = max(emb + block_size, emb + sample_features.shape[-1])
@@ -173,7 +179,7 @@ class HyperTransformer(nn.Module):
     labels = _labelled_then_unlabeled(support_labels, unlabeled_labels)
     image_features = features_lib.ImageFeatureExtractor(
         features=self.image_features, kernel_size=self.kernel_size,
-        conv_impl=self.conv_impl, name='image_features')(
+        conv_impl=self.conv_impl, compute_dtype=self.compute_dtype, name='image_features')(
             _labelled_then_unlabeled(support_images, unlabeled_images))
     # Activations of the labelled and the unlabeled images: two BatchNorm batches.
     theta, x, x_unlabeled = {}, support_images, unlabeled_images
@@ -188,9 +194,10 @@ class HyperTransformer(nn.Module):
         block['scale'] = self.param(f'{name}_scale', nn.initializers.ones, (c_out,))
         block['bias'] = self.param(f'{name}_bias', nn.initializers.zeros, (c_out,))
       theta[name] = block
-      x = cnn_lib.conv_block(x, block, self.conv_impl)
+      x = cnn_lib.conv_block(x, block, self.conv_impl, self.compute_dtype)
       if x_unlabeled is not None:
-        x_unlabeled = cnn_lib.conv_block(x_unlabeled, block, self.conv_impl)
+        x_unlabeled = cnn_lib.conv_block(x_unlabeled, block, self.conv_impl,
+                                         self.compute_dtype)
     rows = self._generate_layer('head', _labelled_then_unlabeled(x, x_unlabeled),
                                 image_features, labels,
                                 head_to_slices(theta_prev['head']), num_extractor_convs=1)

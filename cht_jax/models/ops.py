@@ -8,6 +8,12 @@ the k*k shifted (strided) copies of the input and running one matrix product
 turns forward and backward passes into batched matrix products instead.
 See docs/performance.md for the measurements.
 
+`compute_dtype` 'bfloat16' (mixed precision, an option; 'float32' is the
+paper's arithmetic) rounds both operands of every convolution to bfloat16 and
+accumulates the products in float32: the patches, the largest tensor of a
+step, take half the memory traffic, and the output stays float32 for what
+follows (ReLU, pooling, BatchNorm).
+
 `conv_impl` also chooses a backend for the generated CNN's blocks
 (`cnn.conv_block`): 'fused_cpu' runs them as C++ kernels on CPU
 (`cht_jax.kernels.cpu`); 'auto' picks it where it runs.
@@ -22,6 +28,7 @@ from cht_jax.kernels import registry
 
 CONV_IMPLS = ('auto', 'patches', 'lax', 'taps', 'fused_cpu')
 CONV_IMPL = registry.Switch('model.conv_impl', CONV_IMPLS, fallback='patches')
+COMPUTE_DTYPES = ('float32', 'bfloat16')
 # Kept public here: conv2d's 'fused_cpu' form uses it, as forward-only kernels do.
 forward_with_gradient_of = registry.forward_with_gradient_of
 
@@ -53,7 +60,7 @@ def _padding(size: int, kernel: int, stride: int, padding: str) -> tuple[int, in
 
 
 def conv2d(x: jax.Array, kernel: jax.Array, stride: int = 1, padding: str = 'SAME',
-           impl: str = 'patches') -> jax.Array:
+           impl: str = 'patches', compute_dtype: str = 'float32') -> jax.Array:
   """2-D convolution without bias, NHWC.
 
   Args:
@@ -67,11 +74,17 @@ def conv2d(x: jax.Array, kernel: jax.Array, stride: int = 1, padding: str = 'SAM
       blocks (`cnn.conv_block`); the other convs then run `lax` where nothing
       differentiates them (faster there on CPU) and `patches` where something
       does (`forward_with_gradient_of`).
+    compute_dtype: 'float32', or 'bfloat16': operands rounded to bfloat16,
+      products accumulated in float32.
 
   Returns:
-    [N, H_out, W_out, C_out].
+    [N, H_out, W_out, C_out], float32.
   """
   impl = resolve_conv_impl(impl)
+  if compute_dtype not in COMPUTE_DTYPES:
+    raise ValueError(f'Unknown compute_dtype {compute_dtype!r}; expected one of '
+                     f'{COMPUTE_DTYPES}.')
+  x, kernel = x.astype(compute_dtype), kernel.astype(compute_dtype)
   lax_conv = functools.partial(_lax_conv, stride=stride, padding=padding)
   patches_conv = functools.partial(_patches_conv, stride=stride, padding=padding)
   if impl == 'lax':
@@ -86,7 +99,7 @@ def conv2d(x: jax.Array, kernel: jax.Array, stride: int = 1, padding: str = 'SAM
 def _lax_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: str) -> jax.Array:
   return jax.lax.conv_general_dilated(
       x, kernel, window_strides=(stride, stride), padding=padding,
-      dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+      dimension_numbers=('NHWC', 'HWIO', 'NHWC'), preferred_element_type=jnp.float32)
 
 
 def _shifted_views(x: jax.Array, kh: int, kw: int, stride: int, padding: str) -> list:
@@ -108,7 +121,7 @@ def _taps_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: str) -> ja
   taps = kernel.reshape(kh * kw, c_in, c_out)
   out = 0.0
   for view, tap in zip(_shifted_views(x, kh, kw, stride, padding), taps):
-    out = out + view @ tap
+    out = out + jnp.matmul(view, tap, preferred_element_type=jnp.float32)
   return out
 
 
@@ -116,4 +129,5 @@ def _patches_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: str) ->
   kh, kw, c_in, c_out = kernel.shape
   # Patch features in (kh, kw, c_in) order, matching kernel.reshape(-1, c_out).
   patches = jnp.concatenate(_shifted_views(x, kh, kw, stride, padding), axis=-1)
-  return patches @ kernel.reshape(kh * kw * c_in, c_out)
+  return jnp.matmul(patches, kernel.reshape(kh * kw * c_in, c_out),
+                    preferred_element_type=jnp.float32)

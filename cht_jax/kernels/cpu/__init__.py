@@ -24,10 +24,16 @@ from cht_jax.models import cnn
 build_error = library.build_error  # What the registry asks of a backend.
 
 
-@registry.register('conv_block', 'fused_cpu',
-                   unsupported=lambda x, block, _: conv_block.unsupported(x, block['kernel']))
-def _conv_block(x, block, conv_impl):
-  del conv_impl  # The definition's own setting ('patches'); the kernel has no choices.
+def _conv_block_unsupported(x, block, conv_impl, compute_dtype):
+  del conv_impl
+  if compute_dtype != 'float32':
+    return f"it computes in float32 only, not model.compute_dtype='{compute_dtype}'"
+  return conv_block.unsupported(x, block['kernel'])
+
+
+@registry.register('conv_block', 'fused_cpu', unsupported=_conv_block_unsupported)
+def _conv_block(x, block, conv_impl, compute_dtype):
+  del conv_impl, compute_dtype  # 'patches' and 'float32' (the only dtype it takes).
   return conv_block.conv_relu_pool_norm(x, block['kernel'], block['scale'], block['bias'],
                                         cnn.BATCH_NORM_EPSILON)
 
