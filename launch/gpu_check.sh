@@ -3,10 +3,12 @@
 #
 #   OUT=results/gpu DATA_DIR=~/tensorflow_datasets bash launch/gpu_check.sh [seconds]
 #   SPEED=0 ... bash launch/gpu_check.sh 560   # the recipe alone, with the whole budget
+#   ... bash launch/gpu_check.sh 330            # the speed part alone (about 5 minutes)
 #
-# 1. Speed: the T=5 training step at 64 and 256 episodes per step, rematerialisation
-#    on ('auto' on a GPU) and off, with a profile of where the device time goes
-#    (cht_jax/profiling.py; the trace and the optimised HLO are kept).
+# 1. Speed: the T=5 training step at 64 and 256 episodes per step without
+#    rematerialisation (the recipe's setting), float32 against bfloat16 convolutions
+#    (model.compute_dtype), with a profile of where the device time goes
+#    (cht_jax/profiling.py; the trace and the optimised HLO are kept); then T=1.
 # 2. Recipe: configs/omniglot_t5.py:fast trained for what is left of the budget (the
 #    faster remat setting, the number of steps sized from the measured speed), then
 #    the full evaluation protocol (launch/fast_table1.py).
@@ -19,10 +21,13 @@ TOTAL=${1:-560}
 START=$(date +%s)
 OUT=${OUT:-gpu_check_out}
 DATA_DIR=${DATA_DIR:-$HOME/tensorflow_datasets}
-# Smaller settings for a dry run on a CPU (tests/test_launch.py):
+# Smaller settings for a dry run on a CPU (a minute or two):
+#   BENCH_CONFIG=configs/omniglot_t2.py:tiny BENCH_TASKS=2 BATCH_SIZES=2,4 T1_BATCH_SIZES=2 \
+#   FAST_CONFIG=configs/omniglot_t2.py:tiny OUT=/tmp/dry bash launch/gpu_check.sh 200
 BENCH_CONFIG=${BENCH_CONFIG:-configs/omniglot_t5.py}
 BENCH_TASKS=${BENCH_TASKS:-5}
 BATCH_SIZES=${BATCH_SIZES:-64,256}
+T1_BATCH_SIZES=${T1_BATCH_SIZES:-256,1024}
 B=${BATCH_SIZES%%,*}
 FAST_CONFIG=${FAST_CONFIG:-configs/omniglot_t5.py:fast}
 FAST_FLAGS=${FAST_FLAGS:-}
@@ -45,15 +50,20 @@ quiet() { grep -v -E '^[IW][0-9]{4} |^WARNING: All log|oneDNN'; }
   git rev-parse HEAD 2>/dev/null; } 2>&1 | tee -a "$LOG"
 
 if [ "$SPEED" = 1 ]; then
-say "1. speed: T=$BENCH_TASKS, remat auto (on), $BATCH_SIZES episodes per step, profiled"
-timeout 170 python3 -m cht_jax.bench --config=$BENCH_CONFIG --tasks=$BENCH_TASKS \
-    --batch_sizes=$BATCH_SIZES --min_seconds=2 --extras=false --count_flops=false \
-    --profile_steps=3 --trace_dir=/tmp/cht_trace --output="$OUT/bench_remat_on.json" 2>&1 \
-    | quiet | tee -a "$LOG"
-say "1. speed: T=$BENCH_TASKS, remat off"
-timeout 120 python3 -m cht_jax.bench --config=$BENCH_CONFIG --tasks=$BENCH_TASKS \
+say "1. speed: T=$BENCH_TASKS, remat off, float32, $BATCH_SIZES episodes per step, profiled"
+timeout 150 python3 -m cht_jax.bench --config=$BENCH_CONFIG --tasks=$BENCH_TASKS \
     --config.model.remat=False --batch_sizes=$BATCH_SIZES --min_seconds=2 --extras=false \
-    --count_flops=false --output="$OUT/bench_remat_off.json" 2>&1 | quiet | tee -a "$LOG"
+    --count_flops=false --profile_steps=3 --trace_dir=/tmp/cht_trace \
+    --output="$OUT/bench_f32.json" 2>&1 | quiet | tee -a "$LOG"
+say "1. speed: T=$BENCH_TASKS, remat off, bfloat16 convolutions (model.compute_dtype)"
+timeout 120 python3 -m cht_jax.bench --config=$BENCH_CONFIG --tasks=$BENCH_TASKS \
+    --config.model.remat=False --config.model.compute_dtype=bfloat16 \
+    --batch_sizes=$BATCH_SIZES --min_seconds=2 --extras=false --count_flops=false \
+    --output="$OUT/bench_bf16.json" 2>&1 | quiet | tee -a "$LOG"
+say "1. speed: T=1, remat off, float32, $T1_BATCH_SIZES episodes per step"
+timeout 90 python3 -m cht_jax.bench --config=$BENCH_CONFIG --tasks=1 \
+    --config.model.remat=False --batch_sizes=$T1_BATCH_SIZES --min_seconds=2 --extras=false \
+    --count_flops=false --output="$OUT/bench_t1.json" 2>&1 | quiet | tee -a "$LOG"
 # The first batch size's trace and HLO (only the HLO if the archive would be too big).
 TRACE=cht_trace/T${BENCH_TASKS}_B$B
 ABS_OUT=$(cd "$OUT" && pwd)
@@ -67,18 +77,21 @@ ABS_OUT=$(cd "$OUT" && pwd)
 # Sized from the measured speed: the faster remat setting at 64 episodes a step, and as
 # many steps as fit the time left after startup, compilation, validation and evaluation.
 TRAIN_SECONDS=$(( $(left) - 120 ))
+if [ "$TRAIN_SECONDS" -lt 120 ]; then
+  say "2. recipe skipped: $(left) s left, too little to train (give the check more seconds, or SPEED=0)"
+  exit 0
+fi
 read REMAT STEPS < <(python3 - "$OUT" "$TRAIN_SECONDS" "$B" <<'EOF'
 import json, os, sys
 out, seconds, batch = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-best = (0.0, 'auto')
-for name, remat in (('bench_remat_on.json', 'auto'), ('bench_remat_off.json', 'False')):
-  try:
-    rows = json.load(open(os.path.join(out, name)))['rows']
-  except (OSError, ValueError, KeyError):
-    continue
-  for row in rows:
-    if row['episodes_per_step'] == batch and row['steps_per_s'] > best[0]:
-      best = (row['steps_per_s'], remat)
+best = (0.0, 'False')
+try:
+  rows = json.load(open(os.path.join(out, 'bench_f32.json')))['rows']
+except (OSError, ValueError, KeyError):
+  rows = []
+for row in rows:
+  if row['episodes_per_step'] == batch and row['steps_per_s'] > best[0]:
+    best = (row['steps_per_s'], 'False')
 # Without part 1: 18.4 steps/s, one H200 at T=5, 64 episodes, remat off (docs/performance.md).
 steps_per_s, remat = (best[0], best[1]) if best[0] else (18.4, 'False')
 print(remat, max(200, int(0.85 * steps_per_s * (seconds - 70)) // 100 * 100))

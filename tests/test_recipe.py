@@ -101,6 +101,7 @@ def test_fast_variant_schedule_follows_a_num_steps_override():
   paper = omniglot_t5.get_config()
   assert (paper.optim.name, paper.optim.schedule, paper.model.head_scale) == ('sgd',
                                                                                'exponential', 0.0)
+  assert (config.data.rotate, paper.data.rotate) == (False, True)
 
 
 @pytest.mark.parametrize('field, value, message', [
