@@ -18,7 +18,7 @@ sizes itself. What every dataset's variant shares is written once here:
          (model.head_scale), Adam with linear warmup over the first 5% of the
          steps then cosine decay to 0 over the rest, a batch of episodes per
          step, no rotation augmentation (short runs underfit: rotated copies of
-         the training classes cost 4 validation points at 10 CPU minutes). The
+         the training classes cost 3-4 validation points at 10 CPU minutes). The
          schedule follows train.num_steps: override that to fit a budget and
          warmup and decay follow.
 """
@@ -51,7 +51,7 @@ def fast(config: ml_collections.ConfigDict, num_steps: int, episodes_per_step: i
   config.model.remat = False
   # The paper's per-class rotations quadruple the training classes; within a
   # budget of minutes the model underfits, and they cost validation accuracy
-  # (docs/recipe.md, section 5: 0.717 against 0.763, T=2, 10 CPU minutes).
+  # (docs/recipe.md, section 5: 0.717 against 0.745 and 0.760, T=2, 10 CPU minutes).
   config.data.rotate = False
   optim = config.optim
   optim.name = 'adam'
