@@ -41,7 +41,9 @@ from cht_jax.models import transformer
 # `config.method`, what makes the CNN's weights: CHT, its baselines and the
 # Table 1 baselines trained by gradient descent. Defined here, below the
 # methods (cht_jax/methods/), whose registry has one class per name.
-METHODS = ('cht', 'constpn', 'merged_ht', 'finetune', 'ewc', 'maml')
+# The first three train on an episode loss; the others by gradient steps on each task.
+EPISODE_LOSS_METHODS = ('cht', 'constpn', 'merged_ht')
+METHODS = EPISODE_LOSS_METHODS + ('finetune', 'ewc', 'maml')
 OPTIMIZERS = ('sgd', 'momentum', 'adam', 'adamw', 'lamb')
 SCHEDULES = ('exponential', 'cosine')
 ON_DIVERGENCE = ('stop', 'skip')
@@ -392,11 +394,11 @@ def _method_problems(c: ml_collections.ConfigDict) -> list[str]:
         f'episode.unlabeled_per_class = {c.episode.unlabeled_per_class}: unlabeled support '
         f"images reach the HyperTransformer of method = 'cht' only, not method = "
         f"{c.method!r}; set episode.unlabeled_per_class = 0.")
-  if c.method in ('finetune', 'ewc', 'maml') and c.label_smoothing:
+  if c.method not in EPISODE_LOSS_METHODS and c.label_smoothing:
     problems.append(
         f'label_smoothing = {c.label_smoothing}: it smooths the episode loss of '
-        f"'cht', 'constpn' and 'merged_ht', not the gradient steps of method = "
-        f"{c.method!r}; set label_smoothing = 0.")
+        f"{', '.join(map(repr, EPISODE_LOSS_METHODS))}, not the gradient steps of "
+        f'method = {c.method!r}; set label_smoothing = 0.')
   return problems
 
 
