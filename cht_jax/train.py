@@ -23,7 +23,7 @@ Reliability (docs/reliability.md):
 """
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from absl import logging
 import flax
@@ -35,6 +35,7 @@ import optax
 
 from cht_jax import checkpoints
 from cht_jax import config_validation
+from cht_jax import curriculum
 from cht_jax import devices
 from cht_jax import divergence
 from cht_jax import evaluate
@@ -89,11 +90,11 @@ def make_optimizer(optim: ml_collections.ConfigDict,
   elif optim.name == 'momentum':
     optimizer = optax.sgd(schedule, momentum=optim.momentum)
   elif optim.name == 'adam':
-    optimizer = optax.adam(schedule)
+    optimizer = optax.adam(schedule, b2=optim.beta2)
   elif optim.name == 'adamw':
-    optimizer = optax.adamw(schedule, weight_decay=optim.weight_decay)
+    optimizer = optax.adamw(schedule, b2=optim.beta2, weight_decay=optim.weight_decay)
   elif optim.name == 'lamb':
-    optimizer = optax.lamb(schedule, weight_decay=optim.weight_decay)
+    optimizer = optax.lamb(schedule, b2=optim.beta2, weight_decay=optim.weight_decay)
   else:
     raise ValueError(f'Unknown optim.name {optim.name!r}; expected one of '
                      f'{config_validation.OPTIMIZERS}.')
@@ -103,9 +104,31 @@ def make_optimizer(optim: ml_collections.ConfigDict,
 
 
 def method_schedule(method: methods.Method) -> optax.Schedule:
-  """The method's learning-rate schedule, else the paper's (`learning_rate_schedule`)."""
+  """The method's learning-rate schedule, else the paper's (`learning_rate_schedule`),
+  its warmup restarted where a curriculum adds tasks (`rewarmed`)."""
   optim = method.config.optim
-  return method.learning_rate(optim) or learning_rate_schedule(optim)
+  schedule = method.learning_rate(optim) or learning_rate_schedule(optim)
+  return rewarmed(schedule, curriculum.switch_steps(method.config), optim.warmup_steps)
+
+
+def rewarmed(schedule: optax.Schedule, switch_steps: Sequence[int],
+             warmup_steps: int) -> optax.Schedule:
+  """`schedule` times a linear ramp over `warmup_steps` steps from each switch step.
+
+  Adam's second moments, adapted to the smaller gradients of episodes of fewer tasks,
+  make the first steps on more tasks large: a T=2 run collapsed there without this
+  (docs/recipe.md, section 6).
+  """
+  if not switch_steps or not warmup_steps:
+    return schedule
+  switches = jnp.asarray(switch_steps)
+
+  def schedule_fn(count):
+    step = count + 1  # optax counts the updates before this one.
+    last = jnp.max(jnp.where(switches <= step, switches, 0))
+    ramp = jnp.where(last > 0, jnp.clip((step - last + 1) / warmup_steps, 0.0, 1.0), 1.0)
+    return schedule(count) * ramp
+  return schedule_fn
 
 
 def method_optimizer(method: methods.Method) -> optax.GradientTransformation:

@@ -1,5 +1,7 @@
 """The ':fast' recipe's levers (issue 16): head scale, schedules, optimisers, the variant."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 
 from cht_jax import config_validation
 from cht_jax import continual
+from cht_jax import curriculum
 from cht_jax import devices
 from cht_jax import losses
 from cht_jax import methods
@@ -88,6 +91,30 @@ def test_more_optimizers_take_steps(name):
   assert np.all(np.isfinite(updates['w'])) and float(jnp.abs(updates['w']).sum()) > 0
 
 
+@pytest.mark.parametrize('name', ['adam', 'adamw', 'lamb'])
+def test_beta2_reaches_the_adam_family(name):
+  """optim.beta2 sets the second-moment decay: the second update equals optax's with that b2."""
+  params = {'w': jnp.array([1.0, -2.0, 0.5])}
+  grads = [{'w': jnp.array([1.0, -1.0, 0.5])}, {'w': jnp.array([-3.0, 0.2, 0.5])}]
+  reference = {'adam': optax.adam, 'adamw': optax.adamw, 'lamb': optax.lamb}[name]
+
+  def second_update(optimizer):
+    state = optimizer.init(params)
+    for g in grads:
+      updates, state = optimizer.update(g, state, params)
+    return updates['w']
+
+  results = {}
+  for beta2 in (0.999, 0.9):
+    config = tiny_config(**{'optim.name': name, 'optim.beta2': beta2,
+                            'optim.learning_rate': 0.1, 'optim.weight_decay': 1e-4})
+    results[beta2] = second_update(train.make_optimizer(config.optim))
+    np.testing.assert_allclose(results[beta2], second_update(reference(
+        0.1, b2=beta2, weight_decay=1e-4) if name != 'adam' else reference(0.1, b2=beta2)),
+                               rtol=1e-6)
+  assert not np.allclose(results[0.999], results[0.9])
+
+
 def test_fast_variant_schedule_follows_a_num_steps_override():
   from configs import omniglot_t5  # pylint: disable=g-import-not-at-top
   config = omniglot_t5.get_config('fast')
@@ -109,6 +136,7 @@ def test_fast_variant_schedule_follows_a_num_steps_override():
     ('optim.end_fraction', 1.5, 'optim.end_fraction = 1.5'),
     ('model.head_scale', -1.0, 'model.head_scale = -1.0'),
     ('optim.name', 'adagrad', "optim.name = 'adagrad'"),
+    ('optim.beta2', 1.0, 'optim.beta2 = 1.0'),
     ('label_smoothing', 1.0, 'label_smoothing = 1.0: must be a finite number >= 0 and < 1'),
     ('method', 'maml', "label_smoothing = 0.1: it smooths the episode loss"),
 ])
@@ -150,3 +178,77 @@ def test_label_smoothing_reaches_the_training_step():
   assert smooth['accuracy'] == plain['accuracy']  # The same episodes, the same scores ...
   assert abs(float(smooth['loss']) - float(plain['loss'])) > 1e-3  # ... another loss.
   assert optax.tree.norm(jax.tree.map(jnp.subtract, grads_plain, grads_smooth)) > 0
+
+
+def test_curriculum_tasks_grow_to_the_configs():
+  """train.curriculum_steps: 1, ..., T-1 tasks in equal parts of its steps, then T."""
+  config = tiny_config(**{'train.curriculum_steps': 4})
+  assert [curriculum.tasks_at(config, s) for s in range(1, 7)] == [1, 1, 1, 1, 2, 2]
+  config = tiny_config(**{'episode.num_tasks': 5, 'train.curriculum_steps': 8})
+  assert [curriculum.tasks_at(config, s) for s in range(1, 11)] == [1, 1, 2, 2, 3, 3, 4, 4,
+                                                                      5, 5]
+  assert {curriculum.tasks_at(tiny_config(), s) for s in range(1, 5)} == {2}  # Off.
+
+
+def test_a_curriculum_step_is_the_fewer_task_configs_step():
+  """A T=2 method's step on one-task episodes computes the T=1 config's step: the same
+  episodes, loss and gradient; its later steps train the two-task episodes."""
+  images = jnp.asarray(class_images())
+  two = methods.build(config_validation.validate(
+      tiny_config(**{'train.curriculum_steps': 3}), num_devices=1))
+  one = methods.build(config_validation.validate(
+      tiny_config(**{'episode.num_tasks': 1}), num_devices=1))
+  assert [two.step_variant(s) for s in (1, 3, 4)] == [((1,), ()), ((1,), ()), ((), ())]
+  assert one.step_variant(1) == ((), ())
+  params = two.init(jax.random.key(0))
+  grads = lambda method, variant: jax.jit(lambda p: method.grads(
+      p, images, jax.random.key(1), mesh=devices.data_mesh(1), variant=variant))(params)
+  (g_curriculum, curriculum), (g_one, single), (g_two, full) = (
+      grads(two, (1,)), grads(one, ()), grads(two, ()))
+  np.testing.assert_allclose(curriculum['loss'], single['loss'], rtol=1e-6)
+  difference = optax.tree.norm(jax.tree.map(jnp.subtract, g_curriculum, g_one))
+  assert float(difference) <= 1e-6 * float(optax.tree.norm(g_one))
+  assert abs(float(full['loss']) - float(curriculum['loss'])) > 1e-3  # Three pairs, not one.
+
+
+def test_the_training_loop_switches_to_all_tasks_after_the_curriculum(tmp_path):
+  """One task per episode for the first steps (one pair, so its final accuracy is its
+  mean accuracy), then both: two compiled steps in one run."""
+  config = tiny_config(**{'train.num_steps': 6, 'train.curriculum_steps': 3,
+                          'train.log_every_steps': 1, 'train.eval_every_steps': 0,
+                          'train.checkpoint_every_steps': 6})
+  dataset = {'train': class_images(), 'validation': class_images(seed=1)}
+  train.train_and_evaluate(config, str(tmp_path / 'run'), dataset)
+  rows = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl')]
+  rows = {r['step']: r for r in rows if r['split'] == 'train'}
+  assert sorted(rows) == list(range(1, 7))
+  single = [rows[s]['train/accuracy'] == rows[s]['train/final_accuracy'] for s in range(1, 7)]
+  assert single[:3] == [True] * 3 and not all(single[3:]), rows
+
+
+def test_each_curriculum_switch_restarts_the_warmup():
+  """T=3, 4 curriculum steps: 1 task at steps 1-2, 2 at 3-4, then 3; a 2-step warmup
+  from 0 at the start and again from each switch (steps 3 and 5)."""
+  config = tiny_config(**{'episode.num_tasks': 3, 'train.curriculum_steps': 4,
+                          'train.num_steps': 20, 'optim.name': 'adam',
+                          'optim.learning_rate': 0.1, 'optim.schedule': 'cosine',
+                          'optim.decay_steps': 1000, 'optim.warmup_steps': 2})
+  assert curriculum.switch_steps(config) == [3, 5]
+  schedule = train.method_schedule(methods.build(config))
+  plain = train.learning_rate_schedule(config.optim)
+  # Step s (1-based) is update count s - 1.
+  ramp = {1: 0.0, 2: 0.5, 3: 0.5, 4: 1.0, 5: 0.5, 6: 1.0, 7: 1.0}
+  for step, factor in ramp.items():
+    expected = float(plain(step - 1)) * (1.0 if step < 3 else factor)
+    np.testing.assert_allclose(float(schedule(step - 1)), expected, rtol=1e-6, err_msg=step)
+  assert curriculum.switch_steps(tiny_config()) == []  # No curriculum: no switch ...
+  assert train.rewarmed(plain, [], 2) is plain  # ... and the schedule itself.
+
+
+@pytest.mark.parametrize('overrides, message', [
+    ({'train.curriculum_steps': 10, 'train.num_steps': 10}, 'leaves no step of 2-task'),
+    ({'train.curriculum_steps': 5, 'method': 'constpn'}, "for method = 'cht' only"),
+])
+def test_curriculum_mistakes_are_named(overrides, message):
+  with pytest.raises(config_validation.ConfigError, match=message):
+    config_validation.validate(tiny_config(**overrides), num_devices=1)

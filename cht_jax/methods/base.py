@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from cht_jax import continual
+from cht_jax import curriculum
 from cht_jax import devices
 from cht_jax.baselines import sequential
 from cht_jax.data import augment as augment_lib
@@ -83,13 +84,21 @@ class EpisodicMethod(Method):
   def training_spec(self, domain_sizes=()) -> episodes_lib.EpisodeSpec:
     return datasets.episode_spec(self.config, domain_sizes)
 
+  def step_variant(self, step: int):
+    """((num_tasks,), ()) while train.curriculum_steps trains episodes of fewer tasks,
+    then ((), ()): the training spec's episodes."""
+    num_tasks = curriculum.tasks_at(self.config, step)
+    return ((num_tasks,) if num_tasks < self.config.episode.num_tasks else ()), ()
+
   def grads(self, params, data, key, *, mesh, variant=(), inputs=(), domain_sizes=(),
             host=False):
     """Samples (or takes, with `host`) the step's episodes, augments them, and
     averages the episode loss's gradient over them, split over `mesh`."""
-    del variant, inputs
+    del inputs
     config = self.config
     spec = self.training_spec(domain_sizes)
+    if variant:  # A curriculum step (step_variant).
+      spec = spec._replace(num_tasks=variant[0])
     if host:  # `data` is the step's episode batch.
       episodes = pipeline.device_episodes(data)
     else:
