@@ -20,6 +20,14 @@ def tasks_at(config: ml_collections.ConfigDict, step: int) -> int:
 
 
 def switch_steps(config: ml_collections.ConfigDict) -> list[int]:
-  """The steps whose episodes have more tasks than the step before's."""
+  """The steps whose episodes have more tasks than the step before's.
+
+  k + 1 tasks start at the first step s with (s - 1) (T - 1) // steps >= k, that is
+  s = 1 + ceil(k steps / (T - 1)); counts that get no step (curriculum_steps < T - 1)
+  share their switch with the next.
+  """
+  num_tasks = config.episode.num_tasks
   steps = config.train.get('curriculum_steps', 0)
-  return [s for s in range(2, steps + 2) if tasks_at(config, s) != tasks_at(config, s - 1)]
+  if not steps:
+    return []
+  return sorted({1 + -(-k * steps // (num_tasks - 1)) for k in range(1, num_tasks)})

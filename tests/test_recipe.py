@@ -203,12 +203,12 @@ def test_a_curriculum_step_is_the_fewer_task_configs_step():
   params = two.init(jax.random.key(0))
   grads = lambda method, variant: jax.jit(lambda p: method.grads(
       p, images, jax.random.key(1), mesh=devices.data_mesh(1), variant=variant))(params)
-  (g_curriculum, curriculum), (g_one, single), (g_two, full) = (
+  (g_first, first), (g_one, single), (_, full) = (
       grads(two, (1,)), grads(one, ()), grads(two, ()))
-  np.testing.assert_allclose(curriculum['loss'], single['loss'], rtol=1e-6)
-  difference = optax.tree.norm(jax.tree.map(jnp.subtract, g_curriculum, g_one))
+  np.testing.assert_allclose(first['loss'], single['loss'], rtol=1e-6)
+  difference = optax.tree.norm(jax.tree.map(jnp.subtract, g_first, g_one))
   assert float(difference) <= 1e-6 * float(optax.tree.norm(g_one))
-  assert abs(float(full['loss']) - float(curriculum['loss'])) > 1e-3  # Three pairs, not one.
+  assert abs(float(full['loss']) - float(first['loss'])) > 1e-3  # Three pairs, not one.
 
 
 def test_the_training_loop_switches_to_all_tasks_after_the_curriculum(tmp_path):
@@ -234,13 +234,18 @@ def test_each_curriculum_switch_restarts_the_warmup():
                           'optim.learning_rate': 0.1, 'optim.schedule': 'cosine',
                           'optim.decay_steps': 1000, 'optim.warmup_steps': 2})
   assert curriculum.switch_steps(config) == [3, 5]
+  for num_tasks, steps in ((2, 4), (5, 8), (5, 3), (5, 1), (4, 10)):  # Where the count grows.
+    other = tiny_config(**{'episode.num_tasks': num_tasks, 'train.curriculum_steps': steps})
+    counts = [curriculum.tasks_at(other, s) for s in range(1, steps + 3)]
+    assert curriculum.switch_steps(other) == [
+        s for s in range(2, steps + 3) if counts[s - 1] != counts[s - 2]], (num_tasks, steps)
   schedule = train.method_schedule(methods.build(config))
   plain = train.learning_rate_schedule(config.optim)
-  # Step s (1-based) is update count s - 1.
-  ramp = {1: 0.0, 2: 0.5, 3: 0.5, 4: 1.0, 5: 0.5, 6: 1.0, 7: 1.0}
+  # Step s (1-based) is update count s - 1; before the first switch, the plain schedule.
+  ramp = {1: 1.0, 2: 1.0, 3: 0.5, 4: 1.0, 5: 0.5, 6: 1.0, 7: 1.0}
   for step, factor in ramp.items():
-    expected = float(plain(step - 1)) * (1.0 if step < 3 else factor)
-    np.testing.assert_allclose(float(schedule(step - 1)), expected, rtol=1e-6, err_msg=step)
+    np.testing.assert_allclose(float(schedule(step - 1)), float(plain(step - 1)) * factor,
+                               rtol=1e-6, err_msg=step)
   assert curriculum.switch_steps(tiny_config()) == []  # No curriculum: no switch ...
   assert train.rewarmed(plain, [], 2) is plain  # ... and the schedule itself.
 
