@@ -212,12 +212,26 @@ def close(manager: ocp.CheckpointManager) -> None:
                   root_cause(e))
 
 
+def _replicated(metadata) -> Any:
+  """ShapeDtypeStructs of a checkpoint's arrays, replicated over this job's devices.
+
+  Without a target Orbax places each array on the devices it was saved from,
+  which fails where they differ: a checkpoint of 8 GPUs or 2 CPU devices read
+  by a process with one device, a GPU's read on a CPU.
+  """
+  replicated = jax.sharding.NamedSharding(
+      jax.sharding.Mesh(np.array(jax.devices()), ('data',)), jax.sharding.PartitionSpec())
+  return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated),
+                      metadata)
+
+
 def restore_params(workdir: str, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
   """The parameters of a checkpoint written by training, for evaluation.
 
   Only the parameters must fit `abstract_params`: the optimiser state is read
   and dropped, so a config that differs from the training one in the
-  optimiser still restores.
+  optimiser still restores. The arrays come back replicated over this job's
+  devices, whichever devices saved them.
 
   Args:
     workdir: the training workdir (checkpoints in `<workdir>/checkpoints`).
@@ -255,7 +269,8 @@ def restore_params(workdir: str, abstract_params: Any, step: int | None = None) 
     try:
       problems = [p for p in mismatches(reader, step, {'params': abstract_params})
                   if p.startswith('params/')]
-      restored = None if problems else reader.restore(step, args=ocp.args.StandardRestore())
+      restored = None if problems else reader.restore(
+          step, args=ocp.args.StandardRestore(_replicated(reader.item_metadata(step))))
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
           f'Cannot read the checkpoint of step {step} in {reader.directory} '
