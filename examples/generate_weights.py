@@ -83,15 +83,20 @@ def run(model: api.Model, test_images: np.ndarray, shots: int, num_tasks: int,
   return history
 
 
+def load(workdir: str, config=None, data_dir: str | None = None, step: int | None = None):
+  """(config, model, test class images) of a training workdir (config None: its config.json)."""
+  config = config or api.load_config(workdir)
+  if data_dir:
+    config.data.data_dir = data_dir
+  model = api.load_model(workdir, config, step)
+  return config, model, datasets.load_dataset(config)['test']
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  config = FLAGS.config or api.load_config(FLAGS.workdir)
-  if FLAGS.data_dir:
-    config.data.data_dir = FLAGS.data_dir
-  model = api.load_model(FLAGS.workdir, config)
+  config, model, test_images = load(FLAGS.workdir, FLAGS.config, FLAGS.data_dir)
   print(f'Loaded the {model.num_ways}-way model of step {model.step} from {FLAGS.workdir}.')
-  test_images = datasets.load_dataset(config)['test']
   run(model, test_images, config.episode.shots, FLAGS.num_tasks, FLAGS.queries_per_class,
       FLAGS.seed)
 

@@ -3,6 +3,8 @@
 #
 #   OUT=results/gpu DATA_DIR=~/tensorflow_datasets bash launch/gpu_check.sh [seconds]
 #   SPEED=0 ... bash launch/gpu_check.sh 560   # the recipe alone, with the whole budget
+#   SPEED=0 STEPS_PER_S=25 FAST_FLAGS=--config.train.episodes_per_step=16 ... 560
+#                                               # the recipe at 16 episodes per step
 #   ... bash launch/gpu_check.sh 330            # the speed part alone (about 5 minutes)
 #
 # 1. Speed: the T=5 training step at 64 and 256 episodes per step without
@@ -12,6 +14,8 @@
 # 2. Recipe: configs/omniglot_t5.py:fast trained for what is left of the budget (the
 #    faster remat setting, the number of steps sized from the measured speed), then
 #    the full evaluation protocol (launch/fast_table1.py).
+# 3. Whether the trained model's generated CNN depends on its task: accuracy with a
+#    task's own theta against another task's (examples/task_specificity.py).
 # Needs JAX, flax, optax, orbax-checkpoint, chex, absl-py, ml_collections (wheels in
 # .whl/ are installed first, for machines without them) and an Omniglot cache
 # (<DATA_DIR>/cht_jax_cache/omniglot_ht_2022_28.npz, written by any earlier run that
@@ -32,6 +36,11 @@ B=${BATCH_SIZES%%,*}
 FAST_CONFIG=${FAST_CONFIG:-configs/omniglot_t5.py:fast}
 FAST_FLAGS=${FAST_FLAGS:-}
 SPEED=${SPEED:-1}  # 0: skip part 1; the recipe's steps are sized from an H200's speed.
+# The recipe's speed in steps/s, to size its schedule (default: part 1's measurement at
+# the first batch size, else an H200's 18.4 at 64 episodes per step). Set it when
+# FAST_FLAGS changes the episodes per step: too high and the time guard cuts the run
+# before its learning rate has decayed; too low and the schedule ends early.
+STEPS_PER_S=${STEPS_PER_S:-}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
@@ -76,21 +85,22 @@ ABS_OUT=$(cd "$OUT" && pwd)
 
 # As many steps as fit the time left after startup, compilation, validation and
 # evaluation, at the speed part 1 measured (float32, no remat: what :fast runs).
-TRAIN_SECONDS=$(( $(left) - 120 ))
+TRAIN_SECONDS=$(( $(left) - 160 ))
 if [ "$TRAIN_SECONDS" -lt 120 ]; then
   say "2. recipe skipped: $(left) s left, too little to train (give the check more seconds, or SPEED=0)"
   exit 0
 fi
-read STEPS < <(python3 - "$OUT" "$TRAIN_SECONDS" "$B" <<'EOF'
+read STEPS < <(python3 - "$OUT" "$TRAIN_SECONDS" "$B" "$STEPS_PER_S" <<'EOF'
 import json, os, sys
 out, seconds, batch = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+given = float(sys.argv[4]) if sys.argv[4] else 0.0
 try:
   rows = json.load(open(os.path.join(out, 'bench_f32.json')))['rows']
 except (OSError, ValueError, KeyError):
   rows = []
 measured = [row['steps_per_s'] for row in rows if row['episodes_per_step'] == batch]
 # Without part 1: 18.4 steps/s, one H200 at T=5, 64 episodes, remat off (docs/performance.md).
-steps_per_s = max(measured, default=0.0) or 18.4
+steps_per_s = given or max(measured, default=0.0) or 18.4
 print(max(200, int(0.85 * steps_per_s * (seconds - 70)) // 100 * 100))
 EOF
 )
@@ -100,6 +110,9 @@ python3 launch/fast_table1.py --workdir=/tmp/fast_t5 --train_seconds="$TRAIN_SEC
     --config.train.num_steps="$STEPS" \
     --eval_batch_size=64 $FAST_FLAGS 2>&1 | quiet | tee -a "$LOG"
 cp /tmp/fast_t5/curve.png "$OUT/" 2>/dev/null
+say "3. does the generated CNN depend on the task? (examples/task_specificity.py)"
+timeout 60 python3 examples/task_specificity.py --workdir=/tmp/fast_t5 --data_dir="$DATA_DIR" \
+    --num_pairs=100 2>&1 | quiet | tee -a "$LOG"
 (cd /tmp && tar czf "$ABS_OUT/fast_t5.tar.gz" fast_t5/results.json fast_t5/results.md \
     fast_t5/metrics.jsonl fast_t5/config.json fast_t5/eval 2>/dev/null)
 say "done"

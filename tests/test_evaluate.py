@@ -200,6 +200,44 @@ def test_checkpoint_errors_are_clear(tmp_path, trained):
   assert params is not None
 
 
+_SAVE_ON_OTHER_DEVICES = """
+import sys
+import jax, numpy as np
+from cht_jax import methods, train
+from conftest import tiny_config
+from test_evaluate import save_checkpoint
+config = tiny_config()
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
+state = train.init_state(methods.build(config), train.make_optimizer(config.optim),
+                         jax.random.key(1))
+state = jax.device_put(state, jax.NamedSharding(mesh, jax.P()))
+save_checkpoint(sys.argv[1], config, state)
+np.savez(sys.argv[2], *jax.tree.leaves(jax.device_get(state.params)))
+print(len(jax.tree.leaves(state.params)[0].sharding.device_set))
+"""
+
+
+def test_a_checkpoint_of_other_devices_restores_on_these(tmp_path):
+  # Saved replicated over one device more than this process has (as training on 8
+  # GPUs, or on 2 CPU devices, and evaluating in a 1-device process).
+  others = jax.device_count() + 1
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=f'{REPO_ROOT}:{REPO_ROOT / "tests"}',
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={others}')
+  workdir, saved = tmp_path / 'run', tmp_path / 'params.npz'
+  result = subprocess.run([sys.executable, '-c', _SAVE_ON_OTHER_DEVICES, str(workdir), str(saved)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert int(result.stdout.split()[-1]) == others
+  params, step = evaluate.restore_params(str(workdir), tiny_config())
+  assert step == 0
+  expected = np.load(saved)
+  for i, leaf in enumerate(jax.tree.leaves(params)):
+    np.testing.assert_array_equal(leaf, expected[f'arr_{i}'])
+    assert leaf.sharding.device_set == set(jax.devices())
+  model = api.load_model(str(workdir), tiny_config())
+  api.learn_task(model, class_images(images_per_class=1)[:3, 0], np.arange(3))
+
+
 # --------------------------------------------------------------------------
 # Result files and figures.
 # --------------------------------------------------------------------------
@@ -415,3 +453,22 @@ def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
   assert len(history) == 3 and set(history[2]) >= {'task_0', 'task_2', 'class_incremental'}
   assert all(0 <= v <= 1 for v in history[2].values() if v != history[2]['seconds'])
   assert 'class-incremental on tasks 0..2' in lines[-1]
+
+  # The task-specificity diagnostic on the same model.
+  spec = importlib.util.spec_from_file_location(
+      'task_specificity', REPO_ROOT / 'examples' / 'task_specificity.py')
+  diagnostic = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(diagnostic)
+  result = diagnostic.run(model, test_images, shots=1, num_pairs=3, queries_per_class=4, seed=0)
+  assert 0 <= result['own'] <= 1 and 0 <= result['swapped'] <= 1
+  np.testing.assert_allclose(result['difference'], result['own'] - result['swapped'], atol=1e-12)
+  # BatchNorm's scale is a parameter, not generated: the same for every task. The
+  # kernels are generated from the support set.
+  assert result['spread']['block_0/scale'] == 0
+  assert result['spread']['block_0/kernel'] > 0
+  # Its prototypes are those learn_task returns: the own accuracy is the usual one.
+  (support, labels, queries, query_labels), = example.make_tasks(test_images, 1, 3, 1, 4, 5)
+  theta, prototypes = api.learn_task(model, support, labels)
+  usual = np.mean(np.asarray(api.classify(model, theta, prototypes, queries, task=0))
+                  == query_labels)
+  assert diagnostic.accuracy_with(model, theta, support, labels, queries, query_labels) == usual

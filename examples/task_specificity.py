@@ -1,0 +1,110 @@
+r"""How much do a trained CHT's generated weights depend on the task?
+
+  python examples/task_specificity.py --workdir=workdirs/omniglot_t2 [--num_pairs=200]
+
+A HyperTransformer can lower its loss by writing the same CNN for every task (a
+ConstPN, with the support set used only for the prototypes) before it learns to
+write task-specific ones, which is what makes CHT better than ConstPN in the
+paper. This measures which of the two a checkpoint does, on pairs (A, B) of
+first tasks of disjoint Omniglot test classes:
+
+  own      task A's queries classified with theta_A (generated from A's support
+           set) and A's prototypes under theta_A: the usual task-0 accuracy;
+  swapped  the same with theta_B (generated from B's support set), the
+           prototypes still A's support images under theta_B.
+
+own - swapped (paired over the same A) is near 0 where the generated CNN does
+not depend on its task. It also prints, per generated array, the spread of its
+values across tasks (standard deviation over tasks / root mean square): 0 for
+arrays the HyperTransformer does not generate.
+"""
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+from cht_jax import api  # pylint: disable=g-import-not-at-top
+from cht_jax import losses  # pylint: disable=g-import-not-at-top
+import generate_weights  # pylint: disable=g-import-not-at-top
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+  """Only when run as a script (tests import `run`)."""
+  flags.DEFINE_string('workdir', None, 'The training workdir of the model.', required=True)
+  config_flags.DEFINE_config_file('config', None, 'Its config file; default '
+                                  '<workdir>/config.json.')
+  flags.DEFINE_integer('step', None, 'Checkpoint step; default the latest.')
+  flags.DEFINE_integer('num_pairs', 200, 'Pairs of tasks (A, B).')
+  flags.DEFINE_integer('queries_per_class', 5, 'Held-out images per class of A to classify.')
+  flags.DEFINE_integer('seed', 0, 'Picks the classes and images.')
+  flags.DEFINE_string('data_dir', None, 'TFDS data dir; default the config\'s.')
+
+
+def accuracy_with(model: api.Model, theta, support, support_labels, queries,
+                  query_labels) -> float:
+  """Task accuracy on `queries` with the CNN `theta` and the support set's prototypes."""
+  embeddings = api.embed(model, theta, support)
+  prototypes = losses.class_prototypes(embeddings, jnp.asarray(support_labels), model.num_ways)
+  predicted = api.classify(model, theta, prototypes[None], queries, task=0)
+  return float(np.mean(np.asarray(predicted) == query_labels))
+
+
+def run(model: api.Model, test_images: np.ndarray, shots: int, num_pairs: int,
+        queries_per_class: int, seed: int) -> dict:
+  """Own against swapped accuracy over `num_pairs` pairs, and each array's spread."""
+  own, swapped, thetas = [], [], []
+  for pair in range(num_pairs):
+    (support_a, labels_a, queries_a, query_labels_a), (support_b, labels_b, _, _) = (
+        generate_weights.make_tasks(test_images, 2, model.num_ways, shots, queries_per_class,
+                                    seed * 1_000_003 + pair))
+    theta_a = api.learn_task(model, support_a, labels_a).theta
+    theta_b = api.learn_task(model, support_b, labels_b).theta
+    own.append(accuracy_with(model, theta_a, support_a, labels_a, queries_a, query_labels_a))
+    swapped.append(accuracy_with(model, theta_b, support_a, labels_a, queries_a,
+                                 query_labels_a))
+    thetas.append(jax.device_get(theta_a))
+  difference = np.asarray(own) - np.asarray(swapped)
+  leaves = [jax.tree_util.tree_flatten_with_path(theta)[0] for theta in thetas]
+  spread = {}
+  for i, (path, _) in enumerate(leaves[0]):
+    values = np.stack([np.asarray(task_leaves[i][1]) for task_leaves in leaves])
+    rms = np.sqrt(np.mean(values ** 2))
+    spread[jax.tree_util.keystr(path, simple=True, separator='/')] = (
+        float(values.std(axis=0).mean() / rms) if rms > 0 else 0.0)
+  ci95 = lambda x: float(1.96 * np.std(x) / np.sqrt(len(x)))
+  return {'own': float(np.mean(own)), 'swapped': float(np.mean(swapped)),
+          'difference': float(difference.mean()), 'difference_ci95': ci95(difference),
+          'own_ci95': ci95(own), 'num_pairs': num_pairs, 'spread': spread}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  config, model, test_images = generate_weights.load(FLAGS.workdir, FLAGS.config,
+                                                     FLAGS.data_dir, FLAGS.step)
+  result = run(model, test_images, config.episode.shots, FLAGS.num_pairs,
+               FLAGS.queries_per_class, FLAGS.seed)
+  print(f'{FLAGS.workdir}, step {model.step}, {result["num_pairs"]} pairs of test tasks:')
+  print(f'  task-0 accuracy with its own theta    {100 * result["own"]:.1f} '
+        f'+- {100 * result["own_ci95"]:.1f}')
+  print(f'  with another task\'s theta             {100 * result["swapped"]:.1f}')
+  print(f'  own - swapped (paired)                {100 * result["difference"]:+.2f} '
+        f'+- {100 * result["difference_ci95"]:.2f} points')
+  print('  spread across tasks (std / rms) of each array of theta:')
+  for name, value in result['spread'].items():
+    print(f'    {name:24s} {value:.4f}')
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main)
