@@ -72,9 +72,9 @@ def _flat_shapes(tree) -> dict[str, tuple[tuple[int, ...], str]]:
           (tuple(leaf.shape), str(np.dtype(leaf.dtype))) for path, leaf in leaves}
 
 
-def mismatches(manager: ocp.CheckpointManager, step: int, abstract) -> list[str]:
-  """How the arrays of the checkpoint of `step` differ from `abstract`'s."""
-  found = _flat_shapes(manager.item_metadata(step))
+def mismatches(metadata, abstract) -> list[str]:
+  """How the arrays of a checkpoint (its `item_metadata`) differ from `abstract`'s."""
+  found = _flat_shapes(metadata)
   if not found:
     raise ValueError('its metadata lists no arrays (_METADATA missing or unreadable)')
   expected = _flat_shapes(abstract)
@@ -136,7 +136,7 @@ def root_cause(error: BaseException) -> str:
 def check_fits(manager, step: int, abstract, config) -> None:
   """Raises CheckpointError if the checkpoint of `step` does not fit `abstract`."""
   try:
-    problems = mismatches(manager, step, abstract)
+    problems = mismatches(manager.item_metadata(step), abstract)
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointError(
         f'Cannot read the checkpoint of step {step} in {manager.directory} '
@@ -267,10 +267,11 @@ def restore_params(workdir: str, abstract_params: Any, step: int | None = None) 
           f'No checkpoint of step {step} in {reader.directory}; it has steps {steps}. '
           'Pass one of them as --checkpoint_step, or leave it out for the latest.')
     try:
-      problems = [p for p in mismatches(reader, step, {'params': abstract_params})
+      metadata = reader.item_metadata(step)
+      problems = [p for p in mismatches(metadata, {'params': abstract_params})
                   if p.startswith('params/')]
       restored = None if problems else reader.restore(
-          step, args=ocp.args.StandardRestore(_replicated(reader.item_metadata(step))))
+          step, args=ocp.args.StandardRestore(_replicated(metadata)))
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
           f'Cannot read the checkpoint of step {step} in {reader.directory} '
