@@ -27,15 +27,20 @@ from cht_jax.data import datasets  # pylint: disable=g-import-not-at-top
 FLAGS = flags.FLAGS
 
 
-def _define_flags():
-  """Only when run as a script (tests import `run`)."""
+def define_model_flags() -> None:
+  """The flags of `load` (which model, its config and data) and of `make_tasks`'s seed."""
   flags.DEFINE_string('workdir', None, 'The training workdir of the model.', required=True)
   config_flags.DEFINE_config_file('config', None, 'Its config file; default '
                                   '<workdir>/config.json.')
+  flags.DEFINE_string('data_dir', None, 'TFDS data dir; default the config\'s.')
+  flags.DEFINE_integer('seed', 0, 'Picks the classes and images.')
+
+
+def _define_flags():
+  """Only when run as a script (tests import `run`)."""
+  define_model_flags()
   flags.DEFINE_integer('num_tasks', 3, 'Tasks to learn one after the other.')
   flags.DEFINE_integer('queries_per_class', 5, 'Held-out images per class to classify.')
-  flags.DEFINE_integer('seed', 0, 'Picks the classes and images.')
-  flags.DEFINE_string('data_dir', None, 'TFDS data dir; default the config\'s.')
 
 
 def make_tasks(test_images: np.ndarray, num_tasks: int, ways: int, shots: int,

@@ -27,7 +27,6 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
@@ -40,14 +39,10 @@ FLAGS = flags.FLAGS
 
 def _define_flags():
   """Only when run as a script (tests import `run`)."""
-  flags.DEFINE_string('workdir', None, 'The training workdir of the model.', required=True)
-  config_flags.DEFINE_config_file('config', None, 'Its config file; default '
-                                  '<workdir>/config.json.')
+  generate_weights.define_model_flags()
   flags.DEFINE_integer('step', None, 'Checkpoint step; default the latest.')
   flags.DEFINE_integer('num_pairs', 200, 'Pairs of tasks (A, B).')
   flags.DEFINE_integer('queries_per_class', 5, 'Held-out images per class of A to classify.')
-  flags.DEFINE_integer('seed', 0, 'Picks the classes and images.')
-  flags.DEFINE_string('data_dir', None, 'TFDS data dir; default the config\'s.')
 
 
 def accuracy_with(model: api.Model, theta, support, support_labels, queries,
@@ -74,10 +69,9 @@ def run(model: api.Model, test_images: np.ndarray, shots: int, num_pairs: int,
                                  query_labels_a))
     thetas.append(jax.device_get(theta_a))
   difference = np.asarray(own) - np.asarray(swapped)
-  leaves = [jax.tree_util.tree_flatten_with_path(theta)[0] for theta in thetas]
+  stacked = jax.tree.map(lambda *per_task: np.stack(per_task), *thetas)  # [pairs, ...] leaves.
   spread = {}
-  for i, (path, _) in enumerate(leaves[0]):
-    values = np.stack([np.asarray(task_leaves[i][1]) for task_leaves in leaves])
+  for path, values in jax.tree_util.tree_flatten_with_path(stacked)[0]:
     rms = np.sqrt(np.mean(values ** 2))
     spread[jax.tree_util.keystr(path, simple=True, separator='/')] = (
         float(values.std(axis=0).mean() / rms) if rms > 0 else 0.0)
