@@ -162,6 +162,8 @@ SCHEMA: dict[str, Check] = {
     'model.activation': _choice(tuple(transformer.ACTIVATIONS)),
     'model.generate_bn': _boolean,
     'model.head_scale': _number(0, inclusive=True),
+    'model.learned_base': _number(0, inclusive=True),
+    'model.feature_norm': _boolean,
     'model.conv_impl': _choice(ops.CONV_IMPLS),
     'model.compute_dtype': _choice(ops.COMPUTE_DTYPES),
     'model.encoder_impl': _choice(transformer.ENCODER_IMPLS),

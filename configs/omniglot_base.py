@@ -85,6 +85,13 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   # learned scalar starting at this value, so the first prototypical logits are
   # O(1) rather than O(100) (the ':fast' recipe). 0 = the paper's head.
   config.model.head_scale = 0.0
+  # Not in the paper: > 0 makes each generated layer a learned task-independent
+  # base plus the transformer's output times a learned scalar starting at this
+  # value, so the transformer only has to write what differs between tasks.
+  config.model.learned_base = 0.0
+  # Not in the paper: True normalises each layer's sample features over the
+  # support set before they enter the tokens (see HyperTransformer.feature_norm).
+  config.model.feature_norm = False
   # 'auto': the generated CNN's blocks as one C++ call each way on CPU
   # (cht_jax/kernels/cpu), else 'patches'; 'lax' and 'fused_cpu' on demand.
   # Same numbers up to float rounding (docs/performance.md).

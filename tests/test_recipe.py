@@ -44,6 +44,66 @@ def test_head_scale_multiplies_the_generated_head_and_nothing_else(tiny_episode)
                                  rtol=1e-6, atol=1e-7)
 
 
+def test_learned_base_is_base_plus_scaled_generated_layers(tiny_episode):
+  based, based_params, theta = _init(tiny_config(**{'model.learned_base': 0.5}), tiny_episode)
+  plain, plain_params, _ = _init(tiny_config(), tiny_episode)
+  assert not [k for k in plain_params if 'base' in k]  # 0: the paper's parameters exactly.
+  layers = list(theta)
+  extra = {f'{n}_{suffix}' for n in layers for suffix in ('base', 'generated_scale')}
+  assert set(based_params) - set(plain_params) == extra
+  generated = {k: v for k, v in based_params.items() if k not in extra}
+  args = (tiny_episode['support_images'][0], tiny_episode['support_labels'][0], theta)
+  # The first layer sees the raw images, so its generated part can be compared
+  # directly; later layers see activations that already depend on the base.
+  with_base = based.apply({'params': based_params}, *args)
+  without = plain.apply({'params': generated}, *args)
+  base_block = ht_lib.slices_to_block(based_params['block_0_base'],
+                                      without['block_0']['kernel'].shape, False)
+  np.testing.assert_allclose(with_base['block_0']['kernel'],
+                             base_block['kernel'] + 0.5 * without['block_0']['kernel'],
+                             rtol=1e-5, atol=1e-6)
+  # With the generated scales at 0 every task gets the base: a ConstPN.
+  zeroed = {k: (jnp.zeros_like(v) if k.endswith('generated_scale') else v)
+            for k, v in based_params.items()}
+  other_args = (tiny_episode['support_images'][0][::-1], tiny_episode['support_labels'][0][::-1],
+                theta)
+  for a, b in zip(jax.tree.leaves(based.apply({'params': zeroed}, *args)),
+                  jax.tree.leaves(based.apply({'params': zeroed}, *other_args))):
+    np.testing.assert_array_equal(a, b)
+  head = based.apply({'params': zeroed}, *args)['head']
+  np.testing.assert_array_equal(head['kernel'], based_params['head_base'][:, :-1].T)
+
+
+def test_feature_norm_standardises_the_sample_features_over_the_support_set(
+    tiny_episode, monkeypatch):
+  from cht_jax.models import transformer as transformer_lib  # pylint: disable=g-import-not-at-top
+  token_sets = []
+  encoder_call = transformer_lib.Encoder.__call__
+
+  def recording_call(self, tokens):
+    token_sets.append(tokens)
+    return encoder_call(self, tokens)
+
+  monkeypatch.setattr(transformer_lib.Encoder, '__call__', recording_call)
+  spreads = {}
+  for feature_norm in (False, True):
+    config = tiny_config(**{'model.feature_norm': feature_norm})
+    ht, params, theta = _init(config, tiny_episode)
+    assert ('block_0_feature_norm_scale' in params) == feature_norm
+    token_sets.clear()
+    ht.apply({'params': params}, tiny_episode['support_images'][0],
+             tiny_episode['support_labels'][0], theta)
+    tokens = token_sets[0]  # Block 0: [weight tokens | support tokens].
+    num_support = tiny_episode['support_labels'].shape[1]
+    num_features = 2 * (ht.activation_features or max(ht.channels)) + ht.image_features
+    features = np.asarray(tokens[-num_support:, ht.embedding_dim:][:, :num_features])
+    spreads[feature_norm] = features.std(axis=0)
+    if feature_norm:
+      np.testing.assert_allclose(features.mean(axis=0), 0.0, atol=1e-4)
+  np.testing.assert_allclose(spreads[True], 1.0, rtol=1e-3)
+  assert np.abs(spreads[False] - 1.0).max() > 0.1, spreads[False]  # Not so without it.
+
+
 def test_fast_head_scale_starts_the_paper_model_near_log_classes():
   """The full Omniglot model (20-way, T=1): the first loss is O(log 20) with the
   ':fast' head scale, and in the tens or hundreds without it (issue 16)."""
@@ -135,6 +195,7 @@ def test_fast_variant_schedule_follows_a_num_steps_override():
     ('optim.schedule', 'linear', "optim.schedule = 'linear': must be one of"),
     ('optim.end_fraction', 1.5, 'optim.end_fraction = 1.5'),
     ('model.head_scale', -1.0, 'model.head_scale = -1.0'),
+    ('model.learned_base', -0.1, 'model.learned_base = -0.1'),
     ('optim.name', 'adagrad', "optim.name = 'adagrad'"),
     ('optim.beta2', 1.0, 'optim.beta2 = 1.0'),
     ('label_smoothing', 1.0, 'label_smoothing = 1.0: must be a finite number >= 0 and < 1'),

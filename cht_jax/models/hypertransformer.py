@@ -38,6 +38,9 @@ from cht_jax.models import features as features_lib
 from cht_jax.models import transformer as transformer_lib
 
 Theta = Any  # The `params` pytree of `cnn_lib.CNN`.
+# Small: the image features' spread over an Omniglot support set starts near 1e-3.
+FEATURE_NORM_EPSILON = 1e-8
+_glorot = nn.initializers.glorot_uniform()  # As `cnn_lib.CNN` initialises its kernels.
 
 
 def block_to_slices(block: dict, generate_bn: bool) -> jax.Array:
@@ -97,6 +100,24 @@ class HyperTransformer(nn.Module):
       transformer's outputs are LayerNorm-scaled, O(1) each, so the paper's
       first embeddings are O(sqrt(channels)) per dimension and the first
       squared distances O(100): the loss starts in the hundreds.
+    learned_base: 0 (the paper): each layer is what the transformer writes.
+      > 0 (a departure, to let the transformer spend itself on what differs
+      between tasks): each generated layer is a learned, task-independent
+      base (initialised as `cnn_lib.CNN` initialises its own params) plus
+      the transformer's output times a learned per-layer scalar
+      `{layer}_generated_scale` that starts at this value; `head_scale`
+      then scales the whole head.
+    feature_norm: False (the paper). True (a departure): each layer's sample
+      features (activation and image features) are normalised over the
+      support set, feature by feature, before they enter the tokens. At
+      initialisation the image features vary across Omniglot samples by
+      about 0.002 and block 0's activation features by 0.03 (standard
+      deviation per feature), against label embeddings of about 1 per
+      dimension that are the same in every task: the tokens, and so the
+      generated weights, hardly depend on the images (docs/recipe.md,
+      section 8; on in the ':fast' recipe). Unlabeled samples are normalised
+      together with the labelled ones, so with this option they also change
+      the labelled samples' tokens.
   """
   num_ways: int
   channels: Sequence[int] = (8, 8, 8, 8)
@@ -115,6 +136,8 @@ class HyperTransformer(nn.Module):
   encoder_impl: str = 'xla'
   generate_bn: bool = False
   head_scale: float = 0.0
+  learned_base: float = 0.0
+  feature_norm: bool = False
   compute_dtype: str = 'float32'
 
   @property
@@ -134,6 +157,8 @@ class HyperTransformer(nn.Module):
         conv_impl=self.conv_impl, compute_dtype=self.compute_dtype,
         name=f'{name}_activation_features')(activations)
     sample_features = jnp.concatenate([act_features, image_features], axis=-1)
+    if self.feature_norm:
+      sample_features = self._normalize_over_samples(name, sample_features)
     emb = self.embedding_dim
     width = max(emb + block_size, emb + sample_features.shape[-1])
 
@@ -148,6 +173,23 @@ class HyperTransformer(nn.Module):
     outputs = transformer_lib.Encoder(**transformer_lib.encoder_settings(self),
                                       name=f'{name}_transformer')(tokens)
     return outputs[:num_tokens, emb:emb + block_size]
+
+  def _normalize_over_samples(self, name: str, features: jax.Array) -> jax.Array:
+    """[S, F] -> [S, F], each feature with mean 0 and variance 1 over the S samples, then
+    a learned scale and offset (a batch-statistics BatchNorm over the support set)."""
+    scale = self.param(f'{name}_feature_norm_scale', nn.initializers.ones, features.shape[-1:])
+    bias = self.param(f'{name}_feature_norm_bias', nn.initializers.zeros, features.shape[-1:])
+    mean = jnp.mean(features, axis=0)
+    var = jnp.mean(jnp.square(features - mean), axis=0)
+    return (features - mean) * jax.lax.rsqrt(var + FEATURE_NORM_EPSILON) * scale + bias
+
+  def _add_base(self, name: str, rows: jax.Array, init_rows) -> jax.Array:
+    """With `learned_base`: base + scale * rows, both learned; else rows."""
+    if not self.learned_base:
+      return rows
+    base = self.param(f'{name}_base', init_rows)
+    scale = self.param(f'{name}_generated_scale', nn.initializers.constant(self.learned_base), ())
+    return base + scale * rows
 
   @nn.compact
   def __call__(self, support_images: jax.Array, support_labels: jax.Array,
@@ -189,6 +231,9 @@ class HyperTransformer(nn.Module):
       rows = self._generate_layer(
           name, _labelled_then_unlabeled(x, x_unlabeled), image_features, labels,
           block_to_slices(theta_prev[name], self.generate_bn), num_extractor_convs=2)
+      rows = self._add_base(name, rows, lambda key, shape=kernel_shape: block_to_slices(
+          {'kernel': _glorot(key, shape), 'scale': jnp.ones(shape[-1]),
+           'bias': jnp.zeros(shape[-1])}, self.generate_bn))
       block = slices_to_block(rows, kernel_shape, self.generate_bn)
       if not self.generate_bn:
         block['scale'] = self.param(f'{name}_scale', nn.initializers.ones, (c_out,))
@@ -201,6 +246,9 @@ class HyperTransformer(nn.Module):
     rows = self._generate_layer('head', _labelled_then_unlabeled(x, x_unlabeled),
                                 image_features, labels,
                                 head_to_slices(theta_prev['head']), num_extractor_convs=1)
+    head_shape = (rows.shape[1] - 1, rows.shape[0])
+    rows = self._add_base('head', rows, lambda key: head_to_slices(
+        {'kernel': _glorot(key, head_shape), 'bias': jnp.zeros(head_shape[1])}))
     theta['head'] = slices_to_head(rows)
     if self.head_scale:
       scale = self.param('head_output_scale', nn.initializers.constant(self.head_scale), ())
