@@ -189,6 +189,7 @@ def test_fast_variant_schedule_follows_a_num_steps_override():
   assert (paper.optim.name, paper.optim.schedule, paper.model.head_scale) == ('sgd',
                                                                                'exponential', 0.0)
   assert (config.data.rotate, paper.data.rotate) == (False, True)
+  assert (config.model.feature_norm, paper.model.feature_norm) == (True, False)
 
 
 @pytest.mark.parametrize('field, value, message', [
