@@ -18,10 +18,10 @@ sizes itself. What every dataset's variant shares is written once here:
          (model.head_scale), each layer's sample features normalised over the
          support set (model.feature_norm), Adam with linear warmup over the
          first 5% of the steps then cosine decay to 0 over the rest, a batch of
-         episodes per step, no rotation augmentation (short runs underfit: rotated copies of
-         the training classes cost 3-4 validation points at 10 CPU minutes). The
-         schedule follows train.num_steps: override that to fit a budget and
-         warmup and decay follow.
+         episodes per step, no rotation augmentation (short runs underfit:
+         rotated copies of the training classes cost 3-4 validation points at 10
+         CPU minutes). The schedule follows train.num_steps: override that to fit
+         a budget and warmup and decay follow.
 """
 
 import ml_collections

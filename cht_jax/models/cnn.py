@@ -41,16 +41,20 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
   return x.reshape(n, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
 
 
-def batch_stat_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
+def batch_stat_norm(x: jax.Array, scale: jax.Array, bias: jax.Array,
+                    epsilon: float = BATCH_NORM_EPSILON) -> jax.Array:
   """BatchNorm with the statistics of `x` itself (no running averages).
 
   Args:
-    x: [N, H, W, C]; mean and variance are taken over N, H, W.
+    x: [N, ..., C] ([N, H, W, C] in the CNN); mean and variance are taken
+      over every axis but the last.
     scale, bias: [C].
+    epsilon: added to the variance.
   """
-  mean = jnp.mean(x, axis=(0, 1, 2))
-  var = jnp.mean(jnp.square(x - mean), axis=(0, 1, 2))
-  return (x - mean) * jax.lax.rsqrt(var + BATCH_NORM_EPSILON) * scale + bias
+  axes = tuple(range(x.ndim - 1))
+  mean = jnp.mean(x, axis=axes)
+  var = jnp.mean(jnp.square(x - mean), axis=axes)
+  return (x - mean) * jax.lax.rsqrt(var + epsilon) * scale + bias
 
 
 @registry.overridable('conv_block', ops.CONV_IMPL, setting='conv_impl')

@@ -179,9 +179,7 @@ class HyperTransformer(nn.Module):
     a learned scale and offset (a batch-statistics BatchNorm over the support set)."""
     scale = self.param(f'{name}_feature_norm_scale', nn.initializers.ones, features.shape[-1:])
     bias = self.param(f'{name}_feature_norm_bias', nn.initializers.zeros, features.shape[-1:])
-    mean = jnp.mean(features, axis=0)
-    var = jnp.mean(jnp.square(features - mean), axis=0)
-    return (features - mean) * jax.lax.rsqrt(var + FEATURE_NORM_EPSILON) * scale + bias
+    return cnn_lib.batch_stat_norm(features, scale, bias, epsilon=FEATURE_NORM_EPSILON)
 
   def _add_base(self, name: str, rows: jax.Array, init_rows) -> jax.Array:
     """With `learned_base`: base + scale * rows, both learned; else rows."""
