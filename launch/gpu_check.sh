@@ -19,7 +19,8 @@
 # Needs JAX, flax, optax, orbax-checkpoint, chex, absl-py, ml_collections (wheels in
 # .whl/ are installed first, for machines without them) and an Omniglot cache
 # (<DATA_DIR>/cht_jax_cache/omniglot_ht_2022_28.npz, written by any earlier run that
-# read the data): no TensorFlow or TFDS. At most 8 files are written to $OUT.
+# read the data): no TensorFlow or TFDS. At most 8 files are written to $OUT (the
+# last checkpoint among them, as checkpoint.tar.gz).
 set -u
 TOTAL=${1:-560}
 START=$(date +%s)
@@ -110,9 +111,18 @@ python3 launch/fast_table1.py --workdir=/tmp/fast_t5 --train_seconds="$TRAIN_SEC
     --config.train.num_steps="$STEPS" \
     --eval_batch_size=64 $FAST_FLAGS 2>&1 | quiet | tee -a "$LOG"
 cp /tmp/fast_t5/curve.png "$OUT/" 2>/dev/null
+# The results first, then the last checkpoint on its own (about 11 MB: a later session
+# can carry it back to resume the run or study the trained model), then part 3, so
+# that a check cut by the command's time limit still returns what it finished.
+pack_results() {
+  (cd /tmp && tar czf "$ABS_OUT/fast_t5.tar.gz" fast_t5/results.json fast_t5/results.md \
+      fast_t5/metrics.jsonl fast_t5/config.json fast_t5/eval 2>/dev/null)
+}
+pack_results
+LAST=$(ls /tmp/fast_t5/checkpoints 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
+[ -n "$LAST" ] && (cd /tmp && tar czf "$ABS_OUT/checkpoint.tar.gz" fast_t5/checkpoints/$LAST)
 say "3. does the generated CNN depend on the task? (examples/task_specificity.py)"
 timeout 60 python3 examples/task_specificity.py --workdir=/tmp/fast_t5 --data_dir="$DATA_DIR" \
     --num_pairs=100 2>&1 | quiet | tee -a "$LOG"
-(cd /tmp && tar czf "$ABS_OUT/fast_t5.tar.gz" fast_t5/results.json fast_t5/results.md \
-    fast_t5/metrics.jsonl fast_t5/config.json fast_t5/eval 2>/dev/null)
+pack_results
 say "done"
