@@ -106,6 +106,12 @@ def _split_and_spec(config, protocol: Protocol, class_images, domain_sizes=()):
   """
   if class_images is None:
     dataset = datasets.load_dataset(config)
+    if protocol.split not in dataset:
+      # The host pipeline streams the training split rather than keeping it in memory.
+      raise EvaluationError(
+          f'The {protocol.split!r} classes are not kept in memory with '
+          f'data.pipeline={config.data.pipeline!r} (only {", ".join(sorted(dataset))}): '
+          f"evaluate on 'validation' or 'test', or set --config.data.pipeline=device.")
     class_images = dataset[protocol.split]
     domain_sizes = dataset.get('domain_sizes', {}).get(protocol.split, ())
   return class_images, evaluation_spec(config, protocol, domain_sizes)

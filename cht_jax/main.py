@@ -47,7 +47,8 @@ flags.DEFINE_enum('mode', 'train', ['train', 'eval'],
 flags.DEFINE_integer('checkpoint_step', None, 'Checkpoint step to evaluate; default latest.')
 flags.DEFINE_integer('eval_tasks', None, 'T_eval, tasks per episode; default the '
                      "config's episode.num_tasks (more extrapolates).")
-flags.DEFINE_enum('eval_split', 'test', ['test', 'validation'], 'Classes to evaluate on.')
+flags.DEFINE_enum('eval_split', 'test', ['test', 'validation', 'train'],
+                  'Classes to evaluate on (train: the generalisation gap).')
 flags.DEFINE_integer('eval_episodes', 1024, 'Evaluation episodes.')
 flags.DEFINE_integer('eval_query_draws', 16, 'Query draws per episode (same support set).')
 flags.DEFINE_integer('eval_queries_per_class', None, 'Queries per class in each draw; '

@@ -157,6 +157,16 @@ def test_too_few_classes_is_a_clear_error(trained):
     small_protocol(config, num_episodes=0)
 
 
+def test_training_classes_not_in_memory_is_a_clear_error(trained, monkeypatch):
+  # The host pipeline (tieredImageNet's default) keeps only validation and test in memory.
+  config, _, params = trained
+  images = class_images(images_per_class=8)
+  monkeypatch.setattr(datasets, 'load_dataset',
+                      lambda config: {'validation': images, 'test': images})
+  with pytest.raises(evaluate.EvaluationError, match='pipeline=device'):
+    evaluate.evaluate(config, params, small_protocol(config, split='train'))
+
+
 # --------------------------------------------------------------------------
 # Checkpoints.
 # --------------------------------------------------------------------------
@@ -434,6 +444,15 @@ def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f]
   assert any(r['split'] == 'eval_test_T3' and r['step'] == 2 for r in rows)
+  # The same protocol on the training classes (the generalisation gap).
+  result = run_eval(workdir, prepared_omniglot, '--eval_tasks=3', '--eval_episodes=6',
+                    '--eval_query_draws=2', '--eval_batch_size=4', '--checkpoint_step=2',
+                    '--eval_split=train')
+  assert result.returncode == 0, result.stderr[-3000:]
+  with open(os.path.join(workdir, 'eval', 'train_T3_step2.json')) as f:
+    on_train = json.load(f)
+  assert on_train['protocol']['split'] == 'train'
+  assert on_train['class_incremental'] != saved['class_incremental']
 
   # The example script on Omniglot test classes, with the config training saves.
   with pytest.raises(FileNotFoundError, match='config.json'):
