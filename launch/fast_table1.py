@@ -59,6 +59,9 @@ def _run(command: list[str], timeout: float | None) -> tuple[int, float]:
 
 
 def _commit() -> str:
+  """The checkout's commit; $CHT_COMMIT where the tree was copied without its history."""
+  if os.environ.get('CHT_COMMIT'):
+    return os.environ['CHT_COMMIT']
   try:
     out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=REPO_ROOT,
                          capture_output=True, text=True, check=True).stdout.strip()

@@ -6,6 +6,8 @@
 #   SPEED=0 STEPS_PER_S=25 FAST_FLAGS=--config.train.episodes_per_step=16 ... 560
 #                                               # the recipe at 16 episodes per step
 #   ... bash launch/gpu_check.sh 330            # the speed part alone (about 5 minutes)
+# On a machine that receives the tree without its git history (the lent GPU machines),
+# CHT_COMMIT=<commit> names the commit in results.json.
 #
 # 1. Speed: the T=5 training step at 64 and 256 episodes per step without
 #    rematerialisation (the recipe's setting), float32 against bfloat16 convolutions

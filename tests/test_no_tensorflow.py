@@ -31,7 +31,9 @@ def test_launcher_trains_and_evaluates_without_tensorflow(tmp_path):
   (block / 'sitecustomize.py').write_text(
       "import sys\nfor name in ('tensorflow', 'tensorflow_datasets', 'clu'):\n"
       "  sys.modules[name] = None\n")
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(block), REPO]))
+  # CHT_COMMIT: the commit to record where the tree was copied without its history.
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(block), REPO]),
+             CHT_COMMIT='abc1234+test')
   probe = subprocess.run([sys.executable, '-c', 'import tensorflow_datasets'], env=env,
                          capture_output=True, text=True)
   assert probe.returncode != 0  # The block works.
@@ -44,6 +46,7 @@ def test_launcher_trains_and_evaluates_without_tensorflow(tmp_path):
   results = json.load(open(workdir / 'results.json'))
   row = results['table1']
   assert row['columns'] == ['0', '0-1'] and results['step'] == 4
+  assert results['commit'] == 'abc1234+test'
   assert all(0 <= a <= 100 for a in row['class_incremental']['mean'])
   assert results['validation_curve']['step'] == [4]  # eval_every_steps of the tiny run.
   assert (workdir / 'curve.png').stat().st_size > 0 and (workdir / 'results.md').exists()
