@@ -491,3 +491,32 @@ def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
   usual = np.mean(np.asarray(api.classify(model, theta, prototypes, queries, task=0))
                   == query_labels)
   assert diagnostic.accuracy_with(model, theta, support, labels, queries, query_labels) == usual
+
+
+def test_adaptation_headroom_trains_only_the_named_arrays(trained):
+  config, _, params = trained
+  spec = importlib.util.spec_from_file_location(
+      'adaptation_headroom', REPO_ROOT / 'examples' / 'adaptation_headroom.py')
+  headroom = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(headroom)
+  model = api.model_from_params(config, params)
+  test_images = class_images()
+  (support, labels, _, _), = headroom.generate_weights.make_tasks(test_images, 1, 3, 1, 1, 0)
+  theta = api.learn_task(model, support, labels).theta
+  images = api.preprocess(model, test_images[:3, :4].reshape(12, 16, 16, 1)).reshape(
+      3, 4, 16, 16, 1)  # [K, N, H, W, C]
+  adapted, losses = headroom.adapt(model, theta, images, headroom.PARTS['head'], steps=10,
+                                   learning_rate=1e-2)
+  assert losses[-1] < losses[0]
+  for path, before in jax.tree_util.tree_flatten_with_path(theta)[0]:
+    after = adapted
+    for key in path:
+      after = after[key.key]
+    changed = not np.array_equal(np.asarray(before), np.asarray(after))
+    assert changed == jax.tree_util.keystr(path, simple=True, separator='/').startswith('head/')
+  result = headroom.run(model, test_images, num_tasks=2, adapt_shots=3, queries_per_class=2,
+                        adapt_steps=2, learning_rate=1e-3, seed=0)
+  assert set(result) == {'generated', 'generated_n_shot', 'adapted_all', 'adapted_head',
+                         'adapted_conv_kernels'}
+  assert all(0 <= r['mean'] <= 1 for r in result.values())
+  assert result['generated_n_shot']['gain'] == 0
