@@ -25,7 +25,6 @@
 # last checkpoint among them, as checkpoint.tar.gz).
 set -u
 TOTAL=${1:-560}
-START=$(date +%s)
 OUT=${OUT:-gpu_check_out}
 DATA_DIR=${DATA_DIR:-$HOME/tensorflow_datasets}
 # Smaller settings for a dry run on a CPU (a minute or two):
@@ -44,16 +43,8 @@ SPEED=${SPEED:-1}  # 0: skip part 1; the recipe's steps are sized from an H200's
 # FAST_FLAGS changes the episodes per step: too high and the time guard cuts the run
 # before its learning rate has decayed; too low and the schedule ends early.
 STEPS_PER_S=${STEPS_PER_S:-}
-mkdir -p "$OUT"
-LOG="$OUT/log.txt"
+. launch/gpu_env.sh
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
-say() { echo "[$(( $(date +%s) - START )) s] $*" | tee -a "$LOG"; }
-export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
 quiet() { grep -v -E '^[IW][0-9]{4} |^WARNING: All log|oneDNN'; }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv

@@ -24,7 +24,6 @@
 #   RUNS="t1 t2" CONFIG_VARIANT=tiny STEPS=20 EVAL_EPISODES=8 OUT=/tmp/fig3 bash launch/gpu_figure3.sh 400
 set -u
 TOTAL=${1:-585}
-START=$(date +%s)
 OUT=${OUT:-gpu_figure3_out}
 DATA_DIR=${DATA_DIR:-$HOME/tensorflow_datasets}
 RUNS=${RUNS:-t1 t2 t3 t4 constpn}
@@ -35,17 +34,10 @@ CONFIG_VARIANT=${CONFIG_VARIANT:-fast}
 GPU_FRACTION=${GPU_FRACTION:-0.18}
 EXTRA_RESULTS=${EXTRA_RESULTS:-}
 WORK=${WORK:-/tmp/figure3}
-mkdir -p "$OUT" "$WORK"
+mkdir -p "$WORK"
+. launch/gpu_env.sh
 ABS_OUT=$(cd "$OUT" && pwd)
-LOG="$ABS_OUT/log.txt"
-say() { echo "[$(( $(date +%s) - START )) s] $*" | tee -a "$LOG"; }
-export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$GPU_FRACTION
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
 { nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
   git rev-parse HEAD 2>/dev/null; } 2>&1 | tee -a "$LOG"
