@@ -20,6 +20,7 @@ every task costs little around this solution (a generator trained with the CNN c
 still reach a different one).
 """
 
+import functools
 import os
 import sys
 from typing import Callable
@@ -78,23 +79,27 @@ def adapt(model: api.Model, theta, images: jax.Array, trainable: Callable[[str],
           steps: int, learning_rate: float):
   """theta after `steps` Adam steps of `leave_one_out_loss` on the arrays `trainable`
   names; the others stay as they are. Returns (theta, [loss before each step])."""
+  theta, losses = _adapt(model.ht.cnn, theta, images, trainable, steps, learning_rate)
+  return theta, [float(loss) for loss in losses]
+
+
+# One compilation per (network, part, steps, rate), reused across tasks.
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+def _adapt(cnn, theta, images, trainable, steps, learning_rate):
   labels = jax.tree_util.tree_map_with_path(
       lambda path, _: 'train' if trainable(jax.tree_util.keystr(
           path, simple=True, separator='/')) else 'freeze', theta)
   optimizer = optax.multi_transform(
       {'train': optax.adam(learning_rate), 'freeze': optax.set_to_zero()}, labels)
 
-  @jax.jit
-  def step(theta, state):
+  def step(carry, _):
+    theta, state = carry
     loss, grads = jax.value_and_grad(
-        lambda t: leave_one_out_loss(model.ht.cnn, t, images))(theta)
+        lambda t: leave_one_out_loss(cnn, t, images))(theta)
     updates, state = optimizer.update(grads, state, theta)
-    return optax.apply_updates(theta, updates), state, loss
+    return (optax.apply_updates(theta, updates), state), loss
 
-  state, losses = optimizer.init(theta), []
-  for _ in range(steps):
-    theta, state, loss = step(theta, state)
-    losses.append(float(loss))
+  (theta, _), losses = jax.lax.scan(step, (theta, optimizer.init(theta)), None, length=steps)
   return theta, losses
 
 
