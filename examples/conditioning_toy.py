@@ -36,7 +36,6 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
-from cht_jax import continual  # pylint: disable=g-import-not-at-top
 from cht_jax import losses  # pylint: disable=g-import-not-at-top
 from cht_jax import models  # pylint: disable=g-import-not-at-top
 from cht_jax.models import hypertransformer as ht_lib  # pylint: disable=g-import-not-at-top
@@ -132,7 +131,6 @@ def run(config, ways: int = 5, planes: int = 3, steps: int = 1500, batch: int = 
   def train(loss_fn, params):
     optimizer = optax.adam(learning_rate)
 
-    @jax.jit
     def step(carry, key):
       params, state = carry
       support, queries, query_labels, _ = tasks(key, batch)

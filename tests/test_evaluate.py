@@ -417,6 +417,14 @@ def run_eval(workdir, data_dir, *flags):
   return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
 
 
+def _example(name):
+  """The module examples/<name>.py (examples/ is scripts, not a package)."""
+  spec = importlib.util.spec_from_file_location(name, REPO_ROOT / 'examples' / f'{name}.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
   config, _, params = trained
   workdir = str(tmp_path / 'work')
@@ -461,10 +469,7 @@ def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
     f.write(tiny_config(**{'data.data_dir': prepared_omniglot}).to_json_best_effort())
   model = api.load_model(workdir)
   assert model.step == 4 and model.num_ways == 3
-  spec = importlib.util.spec_from_file_location(
-      'generate_weights', REPO_ROOT / 'examples' / 'generate_weights.py')
-  example = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(example)
+  example = _example('generate_weights')
   test_images = datasets.load_dataset(api.load_config(workdir))['test']
   lines = []
   history = example.run(model, test_images, shots=1, num_tasks=3, queries_per_class=4,
@@ -474,10 +479,7 @@ def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
   assert 'class-incremental on tasks 0..2' in lines[-1]
 
   # The task-specificity diagnostic on the same model.
-  spec = importlib.util.spec_from_file_location(
-      'task_specificity', REPO_ROOT / 'examples' / 'task_specificity.py')
-  diagnostic = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(diagnostic)
+  diagnostic = _example('task_specificity')
   result = diagnostic.run(model, test_images, shots=1, num_pairs=3, queries_per_class=4, seed=0)
   assert 0 <= result['own'] <= 1 and 0 <= result['swapped'] <= 1
   np.testing.assert_allclose(result['difference'], result['own'] - result['swapped'], atol=1e-12)
@@ -495,10 +497,7 @@ def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
 
 def test_adaptation_headroom_trains_only_the_named_arrays(trained):
   config, _, params = trained
-  spec = importlib.util.spec_from_file_location(
-      'adaptation_headroom', REPO_ROOT / 'examples' / 'adaptation_headroom.py')
-  headroom = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(headroom)
+  headroom = _example('adaptation_headroom')
   model = api.model_from_params(config, params)
   test_images = class_images()
   (support, labels, _, _), = headroom.generate_weights.make_tasks(test_images, 1, 3, 1, 1, 0)
@@ -522,13 +521,6 @@ def test_adaptation_headroom_trains_only_the_named_arrays(trained):
   assert result['generated_n_shot']['gain'] == 0
   # One compilation per part (plus the 10-step one above), not one per task.
   assert headroom._adapt._cache_size() == 1 + len(headroom.PARTS)  # pylint: disable=protected-access
-
-
-def _example(name):
-  spec = importlib.util.spec_from_file_location(name, REPO_ROOT / 'examples' / f'{name}.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def test_conditioning_toy_tasks_hide_the_relevant_plane_from_the_queries():
