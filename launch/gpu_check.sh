@@ -69,13 +69,11 @@ timeout 90 python3 -m cht_jax.bench --config=$BENCH_CONFIG --tasks=1 \
     --count_flops=false --output="$OUT/bench_t1.json" 2>&1 | quiet | tee -a "$LOG"
 # The first batch size's trace and HLO (only the HLO if the archive would be too big).
 TRACE=cht_trace/T${BENCH_TASKS}_B$B
-ABS_OUT=$(cd "$OUT" && pwd)
 (cd /tmp && tar czf "$ABS_OUT/trace.tar.gz" $TRACE 2>/dev/null)
 if [ -f "$OUT/trace.tar.gz" ] && [ "$(stat -c %s "$OUT/trace.tar.gz")" -gt 15000000 ]; then
   (cd /tmp && tar czf "$ABS_OUT/trace.tar.gz" $(find $TRACE -name '*.hlo.txt.gz'))
 fi
 fi
-ABS_OUT=$(cd "$OUT" && pwd)
 
 # As many steps as fit the time left after startup, compilation, validation and
 # evaluation, at the speed part 1 measured (float32, no remat: what :fast runs).

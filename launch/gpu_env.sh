@@ -2,11 +2,13 @@
 # they set OUT: the clock, the log, and a Python environment on a machine that lacks the
 # pure-Python packages (wheels in .whl/, installed to /tmp/site, never into the system).
 #   START      the check's start (seconds since the epoch)
-#   LOG        $OUT/log.txt, absolute, so that it survives a cd
+#   ABS_OUT    $OUT as an absolute path, so that it survives a cd
+#   LOG        $ABS_OUT/log.txt
 #   say MSG    prints MSG with the seconds since START and appends it to LOG
 START=$(date +%s)
 mkdir -p "$OUT"
-LOG="$(cd "$OUT" && pwd)/log.txt"
+ABS_OUT=$(cd "$OUT" && pwd)
+LOG="$ABS_OUT/log.txt"
 say() { echo "[$(( $(date +%s) - START )) s] $*" | tee -a "$LOG"; }
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 if ls .whl/*.whl >/dev/null 2>&1; then

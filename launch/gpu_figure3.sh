@@ -36,7 +36,6 @@ EXTRA_RESULTS=${EXTRA_RESULTS:-}
 WORK=${WORK:-/tmp/figure3}
 mkdir -p "$WORK"
 . launch/gpu_env.sh
-ABS_OUT=$(cd "$OUT" && pwd)
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$GPU_FRACTION
 { nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
