@@ -77,6 +77,13 @@ def _number(minimum: float, inclusive: bool = False, maximum: float | None = Non
   return check
 
 
+def _off_or_above(minimum: float) -> Check:
+  """0 (off), or a finite number > minimum."""
+  above = _number(minimum)
+  return lambda value: (None if value == 0 and not isinstance(value, bool) or above(value) is None
+                        else f'0 (off) or a finite number > {minimum:g}')
+
+
 def _choice(options: Sequence[Any]) -> Check:
   return lambda value: None if value in options else f'one of {tuple(options)}'
 
@@ -193,6 +200,7 @@ SCHEMA: dict[str, Check] = {
     'train.eval_every_steps': _integer(0),
     'train.eval_episodes': _integer(1),
     'train.on_divergence': _choice(ON_DIVERGENCE),
+    'train.loss_spike_factor': _off_or_above(1),
     # Table 1 baselines trained by gradient descent (cht_jax/baselines).
     'baseline.inner_steps': _integer(1),
     'baseline.inner_learning_rate': _number(0),

@@ -1,10 +1,17 @@
-"""One divergence rule for every method: which steps are non-finite, and when training stops.
+"""One divergence rule for every method: which steps are non-finite, which windows
+collapsed, and when training stops.
 
 The training step itself leaves parameters and optimiser state unchanged on a
 step where one of `WATCHED` is not finite (metrics['skipped'] = 1); `Guard`
 reads the fetched metrics and says when `train.on_divergence` stops the run:
 'stop' at the first such step, 'skip' after more than MAX_CONSECUTIVE_SKIPS
 in a row.
+
+A collapse can also stay finite: at high learning rates the training loss has
+jumped 2-3x within a few hundred steps and never come back (docs/recipe.md,
+sections 3, 6 and 10). `LossSpikes` says when a log window's mean loss is such
+a jump; with `train.loss_spike_factor` the loop then rolls back to an earlier
+state and goes on at a lower learning rate (train.py).
 """
 
 from absl import logging
@@ -16,6 +23,20 @@ MAX_CONSECUTIVE_SKIPS = 20  # With on_divergence='skip', more than this stops th
 WATCHED = {'loss': 'the loss', 'grad_norm': 'the gradient norm',
            'theta_norm': 'the norm of the generated weights',
            'update_norm': 'the norm of the parameter update'}
+
+
+# A log window is a loss spike when its mean training loss exceeds
+# train.loss_spike_factor x the lowest of up to SPIKE_REFERENCE_WINDOWS earlier
+# healthy windows (at least SPIKE_MIN_WINDOWS of them, none from before a change
+# of the episodes' task count). The lowest, not the median: while the loss still
+# falls fast, the median lags behind it (the first jump of a collapse at lr 5e-3,
+# 4.5 -> 6.0, was 1.07x the median of the five windows before, 1.32x their lowest).
+SPIKE_REFERENCE_WINDOWS = 5
+SPIKE_MIN_WINDOWS = 3
+# After a rollback the learning rate is this times what it was, from the step
+# rolled back to on; more than MAX_ROLLBACKS rollbacks stop the run.
+ROLLBACK_LEARNING_RATE_FACTOR = 0.5
+MAX_ROLLBACKS = 4
 
 
 class DivergenceError(FloatingPointError):
@@ -66,3 +87,30 @@ def error(reason: str, last_checkpoint: int | None, directory: str,
       f'(no later one was written). Rerun with a lower optim.learning_rate{skip}: training '
       'resumes from that checkpoint (a new optim.name or optim.grad_clip_norm needs a new '
       '--workdir, as the optimiser state would not fit).')
+
+
+class LossSpikes:
+  """Which log windows' mean training loss jumped (a finite collapse)."""
+
+  def __init__(self, factor: float, reset_steps=()):
+    """`factor` 0 never reports a spike; `reset_steps`: steps from which the
+    loss has a new scale (the curriculum's switches to more tasks)."""
+    self._factor = factor
+    self._reset_steps = sorted(reset_steps)
+    self._healthy = []  # (last step, mean loss) of the windows that were not spikes.
+
+  def check(self, step: int, loss: float) -> str | None:
+    """Records the window ending at `step`; returns why it is a spike, or None."""
+    if self._factor:
+      start = max([s for s in self._reset_steps if s <= step], default=0)
+      reference = [l for s, l in self._healthy if s >= start][-SPIKE_REFERENCE_WINDOWS:]
+      if len(reference) >= SPIKE_MIN_WINDOWS and loss > self._factor * min(reference):
+        return (f'the mean training loss of the steps up to {step} is {loss:.4g}, over '
+                f'{self._factor:g} x {min(reference):.4g} (the lowest of the '
+                f'{len(reference)} windows before)')
+    self._healthy.append((step, loss))
+    return None
+
+  def forget_after(self, step: int) -> None:
+    """Forgets the windows after `step` (rolled back past)."""
+    self._healthy = [(s, l) for s, l in self._healthy if s <= step]

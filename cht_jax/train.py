@@ -22,6 +22,7 @@ Reliability (docs/reliability.md):
   what is wrong and what to do.
 """
 
+import collections
 import time
 from typing import Any, Sequence
 
@@ -144,11 +145,13 @@ def init_state(method: methods.Method, optimizer, key) -> TrainState:
 
 def make_train_step(method: methods.Method, optimizer, mesh, variant=(), domain_sizes=(),
                     host=False):
-  """Returns jit(step)(state, data, key, inputs=()) -> (state, metrics).
+  """Returns jit(step)(state, data, key, inputs=(), learning_rate_scale=1.0)
+  -> (state, metrics).
 
   `data` is the training split's class images, or with `host` a host
   pipeline's episode batch (`datasets.host_batches`); `variant` and `inputs`
-  come from `method.step_variant(step)`.
+  come from `method.step_variant(step)`; `learning_rate_scale` multiplies the
+  schedule's rate (below 1 after a loss-spike rollback).
 
   A step where one of `divergence.WATCHED` (the loss, the norms of the
   gradient, of the generated weights and of the update) is not finite
@@ -157,14 +160,17 @@ def make_train_step(method: methods.Method, optimizer, mesh, variant=(), domain_
   """
   schedule = method_schedule(method)
 
-  def train_step(state: TrainState, data, key, inputs=()):
+  def train_step(state: TrainState, data, key, inputs=(), learning_rate_scale=1.0):
     grads, metrics = method.grads(state.params, data, key, mesh=mesh, variant=variant,
                                   inputs=inputs, domain_sizes=domain_sizes, host=host)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    # Every optimiser here ends by multiplying its update by the learning rate, so
+    # scaling the update scales the learning rate (and AdamW's decay with it).
+    updates = jax.tree.map(lambda u: u * learning_rate_scale, updates)
     params = optax.apply_updates(state.params, updates)
     metrics['grad_norm'] = optax.tree.norm(grads)
     metrics['update_norm'] = optax.tree.norm(updates)
-    metrics['learning_rate'] = schedule(state.step)
+    metrics['learning_rate'] = schedule(state.step) * learning_rate_scale
     watched = [metrics[k] for k in divergence.WATCHED if k in metrics]
     finite = jnp.all(jnp.isfinite(jnp.stack(watched)))
     metrics['skipped'] = 1.0 - finite.astype(jnp.float32)
@@ -330,6 +336,7 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
                              domain_sizes.get('validation', ()))
   train_steps = {}  # One compiled step per variant (MAML++'s phases; one for the rest).
   guard = divergence.Guard(tc.on_divergence)
+  rollbacks = _Rollbacks(config, log, int(state.step))
   first_step, num_steps = int(state.step), tc.num_steps
   logging.info('%s: training steps %d..%d, %d per step on %d device(s).',
                method.display_name, first_step, num_steps, method.batch_size,
@@ -344,7 +351,9 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
     batches = datasets.host_batches(config, first_step + 1)
     batch_sharding = jax.NamedSharding(mesh, jax.P('data'))
   pending, window, window_start, last_metrics = [], [], time.perf_counter(), {}
-  for step in range(first_step + 1, num_steps + 1):
+  step = first_step
+  while step < num_steps:
+    step += 1
     if host:
       train_data = jax.tree.map(
           lambda x: jax.make_array_from_process_local_data(batch_sharding, x), next(batches))
@@ -354,7 +363,7 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
                                              domain_sizes.get('train', ()), host)
     # The data of step s depend only on (seed, s): a resumed run sees the same.
     state, metrics = train_steps[variant](state, train_data, jax.random.fold_in(train_key, step),
-                                          inputs)
+                                          inputs, rollbacks.learning_rate_scale)
     pending.append((step, metrics))
     last = step == num_steps
     stop = signals.stop_at(step)  # Read once: the signal may arrive at any moment.
@@ -377,6 +386,18 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
           f'{k} {last_metrics[k]:.4g}' for k in ('loss', 'accuracy', 'final_accuracy')
           if k in last_metrics), last_metrics['steps_per_sec'])
       window, window_start = [], time.perf_counter()
+      if rollbacks.is_spike(step, last_metrics['loss'], state):
+        state = rollbacks.roll_back(step, manager)
+        step = int(state.step)
+        if stop:
+          checkpoints.save(manager, step, state, wait=True)
+          raise preemption.Preempted(
+              f'Stopped by {signals.name} after rolling back to step {step} (a loss spike), '
+              f'checkpointed in {manager.directory}; rerun the same command to resume.',
+              signals.signum)
+        if host:
+          batches = datasets.host_batches(config, step + 1)
+        continue
     if do_eval:
       validation = validate(state.params, eval_key)
       log.write(step, 'validation', validation)
@@ -390,6 +411,66 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
                                  f'in {manager.directory}; rerun the same command to resume.',
                                  signals.signum)
   return last_metrics
+
+
+class _Rollbacks:
+  """`train.loss_spike_factor`: rolling back a finite collapse (divergence.LossSpikes).
+
+  At the end of each healthy log window the state is copied (the last two are
+  kept). When a window is a spike, training goes back to the older copy, one
+  window before the last healthy one, since a collapse builds up over a few
+  hundred steps; the rows and checkpoints of later steps are dropped, and from
+  there on the learning rate is ROLLBACK_LEARNING_RATE_FACTOR times what it
+  was. A 'rollback' row in metrics.jsonl at the step rolled back to records the
+  new scale, so a resumed run goes on with it. The steps' data stay a function
+  of (seed, step): the rerun steps see the same episodes at the lower rate.
+  """
+
+  def __init__(self, config, log, first_step: int):
+    self._log = log
+    self._spikes = divergence.LossSpikes(config.train.get('loss_spike_factor', 0.0),
+                                         curriculum.switch_steps(config))
+    self._enabled = bool(config.train.get('loss_spike_factor', 0.0))
+    rows = [r for r in log.rows('rollback') if r['step'] <= first_step]
+    self._count = len(rows)
+    self.learning_rate_scale = rows[-1]['rollback/learning_rate_scale'] if rows else 1.0
+    self._copies = collections.deque(maxlen=2)
+    self._copy = jax.jit(lambda state: jax.tree.map(jnp.copy, state))
+    self._reason = None  # Why the last window checked is a spike.
+
+  def is_spike(self, step: int, loss: float, state: TrainState) -> bool:
+    """Records the log window ending at `step`; copies `state` if it is healthy."""
+    if not self._enabled:
+      return False
+    self._reason = self._spikes.check(step, loss)
+    if self._reason is None:
+      self._copies.append(self._copy(state))
+    return self._reason is not None
+
+  def roll_back(self, step: int, manager) -> TrainState:
+    """The state to go on from after the spike found at `step`."""
+    self._count += 1
+    if self._count > divergence.MAX_ROLLBACKS:
+      # Policy 'skip': the advice then leaves out on_divergence, which is about NaNs.
+      raise _divergence_error(
+          f'Training collapsed at step {step}: {self._reason}, after '
+          f'{divergence.MAX_ROLLBACKS} rollbacks (train.loss_spike_factor).', manager, 'skip')
+    target = self._copies[0]
+    to_step = int(target.step)
+    self.learning_rate_scale *= divergence.ROLLBACK_LEARNING_RATE_FACTOR
+    logging.warning('Loss spike at step %d: %s. Rolling back to step %d, learning rate x%g '
+                    'from there (rollback %d of at most %d).', step, self._reason, to_step,
+                    self.learning_rate_scale, self._count, divergence.MAX_ROLLBACKS)
+    manager.wait_until_finished()
+    for saved in manager.all_steps():
+      if saved > to_step:  # Written on the abandoned way.
+        manager.delete(saved)
+    self._log.drop_after(to_step)
+    self._log.write(to_step, 'rollback', {'from_step': step,
+                                          'learning_rate_scale': self.learning_rate_scale})
+    self._spikes.forget_after(to_step)
+    self._copies = collections.deque([target], maxlen=2)
+    return self._copy(target)  # `target` stays: the step donates what it is given.
 
 
 def _divergence_error(reason: str, manager, policy: str) -> divergence.DivergenceError:

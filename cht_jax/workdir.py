@@ -18,6 +18,7 @@ import socket
 import tempfile
 import threading
 import time
+from typing import Any
 
 from absl import logging
 import jax
@@ -116,7 +117,8 @@ def window_means(rows: list[tuple[int, dict[str, float]]], elapsed: float,
 class MetricsLog:
   """TensorBoard summaries and a JSON-lines copy (`metrics.jsonl`) for scripts."""
 
-  TRAINING_SPLITS = ('train', 'validation')  # The rows the training loop writes.
+  # The rows the training loop writes ('rollback': train.py's loss-spike rollbacks).
+  TRAINING_SPLITS = ('train', 'validation', 'rollback')
 
   def __init__(self, workdir: str):
     # Imported here: clu's writers pull in TensorFlow, which the training step,
@@ -151,6 +153,19 @@ class MetricsLog:
         raise WorkdirError(f'Cannot append to {self._path} ({e}). Free disk space or fix '
                            'the permissions, then rerun the same command to resume from '
                            'the last checkpoint.') from None
+
+  def rows(self, split: str) -> list[dict[str, Any]]:
+    """The rows of `split` in metrics.jsonl (any process may read them)."""
+    if not os.path.exists(self._path):
+      return []
+    rows = []
+    with open(self._path) as f:
+      for line in f:
+        try:
+          rows.append(json.loads(line))
+        except json.JSONDecodeError:  # A torn last line.
+          continue
+    return [row for row in rows if row.get('split') == split]
 
   def drop_after(self, step: int) -> None:
     """Drops training rows after `step` and a torn last line, before resuming from `step`.

@@ -154,6 +154,11 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   # changes the parameters. 'stop': end the run there, keeping the last good
   # checkpoint; 'skip': go on with the next batch (up to 20 such steps in a row).
   config.train.on_divergence = 'stop'
+  # Not the paper's: > 1 rolls back finite collapses. A log window whose mean
+  # training loss exceeds this times the lowest of the windows before goes back
+  # to the state of two windows earlier, at half the learning rate from there
+  # (cht_jax/divergence.py, train.py; docs/reliability.md). 0 = off.
+  config.train.loss_spike_factor = 0.0
 
   # The Table 1 baselines' settings (method 'finetune', 'ewc', 'maml';
   # configs/baselines_table1.py), read only by those.

@@ -190,6 +190,7 @@ def test_fast_variant_schedule_follows_a_num_steps_override():
                                                                                'exponential', 0.0)
   assert (config.data.rotate, paper.data.rotate) == (False, True)
   assert (config.model.feature_norm, paper.model.feature_norm) == (True, False)
+  assert (config.train.loss_spike_factor, paper.train.loss_spike_factor) == (1.1, 0.0)
 
 
 @pytest.mark.parametrize('field, value, message', [
@@ -197,6 +198,8 @@ def test_fast_variant_schedule_follows_a_num_steps_override():
     ('optim.end_fraction', 1.5, 'optim.end_fraction = 1.5'),
     ('model.head_scale', -1.0, 'model.head_scale = -1.0'),
     ('model.learned_base', -0.1, 'model.learned_base = -0.1'),
+    ('train.loss_spike_factor', 0.9, r'train.loss_spike_factor = 0.9: must be 0 \(off\) or '
+     'a finite number > 1'),
     ('optim.name', 'adagrad', "optim.name = 'adagrad'"),
     ('optim.beta2', 1.0, 'optim.beta2 = 1.0'),
     ('label_smoothing', 1.0, 'label_smoothing = 1.0: must be a finite number >= 0 and < 1'),

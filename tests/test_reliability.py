@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO_ROOT, tiny_config
+from conftest import REPO_ROOT, class_images, tiny_config
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -275,6 +275,111 @@ class TestDivergenceGuard:
     reason = guard.check([(2 * limit + 2, bad)])
     assert f'the {limit + 1} steps {limit + 2}..{2 * limit + 2} were all skipped' in reason
     assert 'the loss (nan)' in reason
+
+
+class TestLossSpikes:
+
+  def test_a_jump_over_the_lowest_of_the_windows_before(self):
+    spikes = divergence.LossSpikes(2.0)
+    for step, loss in [(10, 9.0), (20, 5.0)]:  # Too few windows to judge: never a spike.
+      assert spikes.check(step, loss * 10) is None
+    assert spikes.check(30, 4.0) is None  # Falling: healthy.
+    reason = spikes.check(40, 8.1)  # The lowest of 90, 50, 4 is 4: over 2 x 4.
+    assert reason == ('the mean training loss of the steps up to 40 is 8.1, over 2 x 4 '
+                      '(the lowest of the 3 windows before)')
+    assert spikes.check(50, 7.9) is None  # The spike is not a reference: 7.9 < 2 x 4.
+    assert spikes.check(60, 7.0) is None  # Nor 7.9: the lowest is still 4.
+    spikes.forget_after(30)
+    assert spikes.check(40, 3.9) is None
+
+  def test_off_and_new_task_counts(self):
+    off = divergence.LossSpikes(0.0)
+    assert all(off.check(step, loss) is None for step, loss in [(1, 1), (2, 1), (3, 1), (4, 1e9)])
+    spikes = divergence.LossSpikes(1.5, reset_steps=[35])
+    for step in (10, 20, 30):
+      assert spikes.check(step, 1.0) is None
+    assert spikes.check(40, 3.0) is None  # More tasks from step 35: a new scale.
+    assert spikes.check(45, 3.1) is None and spikes.check(50, 3.0) is None
+    assert spikes.check(60, 4.4) is None  # 4.4 < 1.5 x 3.0, the lowest since step 35.
+    assert spikes.check(70, 4.6) is not None
+
+
+def test_a_loss_spike_rolls_back_and_lowers_the_learning_rate(tmp_path, monkeypatch):
+  """A spike injected into the loss of the window ending at step 16: training goes
+  back to step 12 (two healthy windows earlier) and goes on at half the rate."""
+  settings = {'train.num_steps': 24, 'train.log_every_steps': 2,
+              'train.checkpoint_every_steps': 4, 'train.keep_checkpoints': 10,
+              'train.eval_every_steps': 0}
+  dataset = {'train': class_images(12), 'validation': class_images(12, seed=1)}
+  real_step, spiked = train.make_train_step, []
+
+  def with_spike(*args, **kwargs):
+    step_fn = real_step(*args, **kwargs)
+
+    def step(state, *step_args):
+      state, metrics = step_fn(state, *step_args)
+      if int(state.step) == 16 and not spiked:  # Only the first time step 16 runs.
+        spiked.append(16)
+        metrics = dict(metrics, loss=metrics['loss'] * 100)
+      return state, metrics
+    return step
+
+  monkeypatch.setattr(train, 'make_train_step', with_spike)
+  workdir = str(tmp_path / 'spiked')
+  train.train_and_evaluate(tiny_config(**settings, **{'train.loss_spike_factor': 3.0}),
+                           workdir, dataset)
+  rows = metrics(workdir)
+  rollbacks = [row for row in rows if row['split'] == 'rollback']
+  assert rollbacks == [{'step': 12, 'split': 'rollback', 'rollback/from_step': 16.0,
+                        'rollback/learning_rate_scale': 0.5}]
+  train_rows = [row for row in rows if row['split'] == 'train']
+  assert [row['step'] for row in train_rows] == list(range(2, 25, 2))  # Step 16's row dropped.
+  rate = {row['step']: row['train/learning_rate'] for row in train_rows}
+  assert all(rate[s] == pytest.approx(1e-3) for s in range(2, 13, 2))
+  assert all(rate[s] == pytest.approx(5e-4) for s in range(14, 25, 2))
+  assert complete_steps(workdir) == [4, 8, 12, 16, 20, 24]  # 16 rewritten after the rollback.
+
+  # The same as 12 steps at 1e-3, then 12 more at 5e-4 (Adam's state does not depend
+  # on the rate; the steps' data depend only on the seed and the step).
+  monkeypatch.setattr(train, 'make_train_step', real_step)
+  reference = str(tmp_path / 'reference')
+  train.train_and_evaluate(tiny_config(**{**settings, 'train.num_steps': 12}), reference, dataset)
+  train.train_and_evaluate(tiny_config(**settings, **{'optim.learning_rate': 5e-4}), reference,
+                           dataset)
+  restore = lambda w: ocp.StandardCheckpointer().restore(
+      os.path.join(w, 'checkpoints', '24', 'default'))['params']
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               restore(workdir), restore(reference))
+
+  # Resumed, the run keeps the lower rate.
+  train.train_and_evaluate(tiny_config(**{**settings, 'train.num_steps': 28,
+                                          'train.loss_spike_factor': 3.0}), workdir, dataset)
+  resumed = [row for row in metrics(workdir) if row['split'] == 'train' and row['step'] > 24]
+  assert [row['train/learning_rate'] for row in resumed] == pytest.approx([5e-4, 5e-4])
+
+
+def test_too_many_loss_spikes_stop_the_run(tmp_path, monkeypatch):
+  real_step = train.make_train_step
+
+  def always_spiking(*args, **kwargs):
+    step_fn = real_step(*args, **kwargs)
+
+    def step(state, *step_args):
+      state, metrics = step_fn(state, *step_args)
+      if int(state.step) > 8:
+        metrics = dict(metrics, loss=metrics['loss'] * 100)
+      return state, metrics
+    return step
+
+  monkeypatch.setattr(train, 'make_train_step', always_spiking)
+  config = tiny_config(**{'train.num_steps': 20, 'train.log_every_steps': 2,
+                          'train.checkpoint_every_steps': 4, 'train.eval_every_steps': 0,
+                          'train.loss_spike_factor': 3.0})
+  with pytest.raises(divergence.DivergenceError, match=(
+      r'Training collapsed at step 10: .* after 4 rollbacks \(train.loss_spike_factor\)\. '
+      r'The last good checkpoint, step 8')):
+    train.train_and_evaluate(config, str(tmp_path / 'work'),
+                             {'train': class_images(12), 'validation': class_images(12, seed=1)})
 
 
 # --------------------------------------------------------------------------
