@@ -170,6 +170,7 @@ SCHEMA: dict[str, Check] = {
     'model.generate_bn': _boolean,
     'model.head_scale': _number(0, inclusive=True),
     'model.learned_base': _number(0, inclusive=True),
+    'model.trained_layers': _integer(-1_000_000),
     'model.feature_norm': _boolean,
     'model.conv_impl': _choice(ops.CONV_IMPLS),
     'model.compute_dtype': _choice(ops.COMPUTE_DTYPES),
@@ -364,6 +365,13 @@ def _model_problems(c: ml_collections.ConfigDict, num_devices: int) -> list[str]
         f'data.image_size = {size} is too small for model.num_blocks = {blocks}: '
         f'each block halves the feature map ({chain}), so it must be >= '
         f'{2 ** blocks}, or model.num_blocks <= {max(int(math.log2(size)), 0)}.')
+  trained = c.model.get('trained_layers', 0)
+  if abs(trained) > blocks:
+    problems.append(
+        f'model.trained_layers = {trained} leaves no layer of the {blocks + 1} '
+        f'(model.num_blocks = {blocks} conv blocks and the head) for the transformers '
+        f'to write: its absolute value must be at most {blocks} (for a CNN with no generated '
+        "layer, use method = 'constpn').")
   if c.loss == 'cross_entropy' and c.model.cnn_embedding_dim != c.episode.ways:
     problems.append(
         f"loss = 'cross_entropy' reads the CNN's final layer as class logits, so "

@@ -89,6 +89,11 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   # base plus the transformer's output times a learned scalar starting at this
   # value, so the transformer only has to write what differs between tasks.
   config.model.learned_base = 0.0
+  # Not in the paper (the original HT's number_of_trained_cnn_layers): N > 0 trains
+  # the CNN's first N layers (conv blocks, then the head) as ordinary parameters,
+  # the same for every task, and generates the rest; N < 0 the last |N|. 0 = all
+  # generated.
+  config.model.trained_layers = 0
   # Not in the paper: True normalises each layer's sample features over the
   # support set before they enter the tokens (see HyperTransformer.feature_norm).
   config.model.feature_norm = False

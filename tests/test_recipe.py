@@ -74,6 +74,36 @@ def test_learned_base_is_base_plus_scaled_generated_layers(tiny_episode):
   np.testing.assert_array_equal(head['kernel'], based_params['head_base'][:, :-1].T)
 
 
+@pytest.mark.parametrize('trained_layers, trained', [
+    (2, ('block_0', 'block_1')), (-1, ('head',)), (-2, ('block_3', 'head'))])
+def test_trained_layers_are_parameters_the_same_for_every_task(tiny_episode, trained_layers,
+                                                                trained):
+  ht, params, theta = _init(tiny_config(**{'model.trained_layers': trained_layers}),
+                            tiny_episode)
+  _, plain_params, _ = _init(tiny_config(), tiny_episode)
+  for layer in theta:  # A trained layer has no transformer, a written one no kernel.
+    assert (f'{layer}_kernel' in params) == (layer in trained)
+    assert (f'{layer}_transformer' in params) == (layer not in trained)
+  assert set(params) - set(plain_params) == {f'{layer}_kernel' for layer in trained} | (
+      {'head_bias'} if 'head' in trained else set())
+  images, labels = tiny_episode['support_images'][0], tiny_episode['support_labels'][0]
+  first = ht.apply({'params': params}, images, labels, theta)
+  other = ht.apply({'params': params}, images[::-1], labels, theta)  # Another task.
+  for layer in theta:
+    if layer in trained:
+      np.testing.assert_array_equal(first[layer]['kernel'], params[f'{layer}_kernel'])
+      np.testing.assert_array_equal(other[layer]['kernel'], params[f'{layer}_kernel'])
+    else:
+      assert not np.allclose(first[layer]['kernel'], other[layer]['kernel'])
+
+  def loss(params):  # Gradients reach the trained layers through the CNN.
+    theta_t = ht.apply({'params': params}, images, labels, theta)
+    return jnp.sum(ht.cnn.apply({'params': theta_t}, images) ** 2)
+  grads = jax.grad(loss)(params)
+  for layer in trained:
+    assert float(jnp.abs(grads[f'{layer}_kernel']).max()) > 0
+
+
 def test_feature_norm_standardises_the_sample_features_over_the_support_set(
     tiny_episode, monkeypatch):
   from cht_jax.models import transformer as transformer_lib  # pylint: disable=g-import-not-at-top
@@ -198,6 +228,7 @@ def test_fast_variant_schedule_follows_a_num_steps_override():
     ('optim.end_fraction', 1.5, 'optim.end_fraction = 1.5'),
     ('model.head_scale', -1.0, 'model.head_scale = -1.0'),
     ('model.learned_base', -0.1, 'model.learned_base = -0.1'),
+    ('model.trained_layers', -5, 'model.trained_layers = -5 leaves no layer of the 5'),
     ('train.loss_spike_factor', 0.9, r'train.loss_spike_factor = 0.9: must be 0 \(off\) or '
      'a finite number > 1'),
     ('optim.name', 'adagrad', "optim.name = 'adagrad'"),

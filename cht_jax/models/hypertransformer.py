@@ -27,6 +27,7 @@ without them: the unlabeled images reach theta_t only through the
 transformer's attention.
 """
 
+import math
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -118,6 +119,12 @@ class HyperTransformer(nn.Module):
       section 8; on in the ':fast' recipe). Unlabeled samples are normalised
       together with the labelled ones, so with this option they also change
       the labelled samples' tokens.
+    trained_layers: 0 (the paper): the transformers write every layer. N > 0
+      (the original HT's `number_of_trained_cnn_layers`): the first N of the
+      CNN's layers (its conv blocks, then its head) are ordinary trained
+      parameters, the same for every task, and only the others are written;
+      N < 0: the last |N|. A trained layer has no transformer or activation
+      feature extractor, and theta_{t-1} does not reach it.
   """
   num_ways: int
   channels: Sequence[int] = (8, 8, 8, 8)
@@ -138,6 +145,7 @@ class HyperTransformer(nn.Module):
   head_scale: float = 0.0
   learned_base: float = 0.0
   feature_norm: bool = False
+  trained_layers: int = 0
   compute_dtype: str = 'float32'
 
   @property
@@ -146,6 +154,12 @@ class HyperTransformer(nn.Module):
                        embedding_dim=self.cnn_embedding_dim,
                        conv_impl=self.conv_impl, kernel_size=self.kernel_size,
                        compute_dtype=self.compute_dtype)
+
+  def _is_trained(self, index: int) -> bool:
+    """Whether layer `index` (0..num_blocks; the head last) is trained, not written."""
+    if self.trained_layers >= 0:
+      return index < self.trained_layers
+    return index >= len(self.channels) + 1 + self.trained_layers
 
   def _generate_layer(self, name: str, activations, image_features, labels,
                       prev_slices, num_extractor_convs: int):
@@ -226,14 +240,17 @@ class HyperTransformer(nn.Module):
     for i, c_out in enumerate(self.channels):
       name = f'block_{i}'
       kernel_shape = (self.kernel_size, self.kernel_size, x.shape[-1], c_out)
-      rows = self._generate_layer(
-          name, _labelled_then_unlabeled(x, x_unlabeled), image_features, labels,
-          block_to_slices(theta_prev[name], self.generate_bn), num_extractor_convs=2)
-      rows = self._add_base(name, rows, lambda key, shape=kernel_shape: block_to_slices(
-          {'kernel': _glorot(key, shape), 'scale': jnp.ones(shape[-1]),
-           'bias': jnp.zeros(shape[-1])}, self.generate_bn))
-      block = slices_to_block(rows, kernel_shape, self.generate_bn)
-      if not self.generate_bn:
+      if self._is_trained(i):
+        block = {'kernel': self.param(f'{name}_kernel', _glorot, kernel_shape)}
+      else:
+        rows = self._generate_layer(
+            name, _labelled_then_unlabeled(x, x_unlabeled), image_features, labels,
+            block_to_slices(theta_prev[name], self.generate_bn), num_extractor_convs=2)
+        rows = self._add_base(name, rows, lambda key, shape=kernel_shape: block_to_slices(
+            {'kernel': _glorot(key, shape), 'scale': jnp.ones(shape[-1]),
+             'bias': jnp.zeros(shape[-1])}, self.generate_bn))
+        block = slices_to_block(rows, kernel_shape, self.generate_bn)
+      if not self.generate_bn or self._is_trained(i):
         block['scale'] = self.param(f'{name}_scale', nn.initializers.ones, (c_out,))
         block['bias'] = self.param(f'{name}_bias', nn.initializers.zeros, (c_out,))
       theta[name] = block
@@ -241,13 +258,18 @@ class HyperTransformer(nn.Module):
       if x_unlabeled is not None:
         x_unlabeled = cnn_lib.conv_block(x_unlabeled, block, self.conv_impl,
                                          self.compute_dtype)
-    rows = self._generate_layer('head', _labelled_then_unlabeled(x, x_unlabeled),
-                                image_features, labels,
-                                head_to_slices(theta_prev['head']), num_extractor_convs=1)
-    head_shape = (rows.shape[1] - 1, rows.shape[0])
-    rows = self._add_base('head', rows, lambda key: head_to_slices(
-        {'kernel': _glorot(key, head_shape), 'bias': jnp.zeros(head_shape[1])}))
-    theta['head'] = slices_to_head(rows)
+    if self._is_trained(len(self.channels)):
+      head_shape = (math.prod(x.shape[1:]), self.cnn_embedding_dim)
+      theta['head'] = {'kernel': self.param('head_kernel', _glorot, head_shape),
+                       'bias': self.param('head_bias', nn.initializers.zeros, head_shape[1:])}
+    else:
+      rows = self._generate_layer('head', _labelled_then_unlabeled(x, x_unlabeled),
+                                  image_features, labels,
+                                  head_to_slices(theta_prev['head']), num_extractor_convs=1)
+      head_shape = (rows.shape[1] - 1, rows.shape[0])
+      rows = self._add_base('head', rows, lambda key: head_to_slices(
+          {'kernel': _glorot(key, head_shape), 'bias': jnp.zeros(head_shape[1])}))
+      theta['head'] = slices_to_head(rows)
     if self.head_scale:
       scale = self.param('head_output_scale', nn.initializers.constant(self.head_scale), ())
       theta['head'] = jax.tree.map(lambda leaf: leaf * scale, theta['head'])
