@@ -164,13 +164,16 @@ def make_train_step(method: methods.Method, optimizer, mesh, variant=(), domain_
     grads, metrics = method.grads(state.params, data, key, mesh=mesh, variant=variant,
                                   inputs=inputs, domain_sizes=domain_sizes, host=host)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    # Every optimiser here ends by multiplying its update by the learning rate, so
-    # scaling the update scales the learning rate (and AdamW's decay with it).
-    updates = jax.tree.map(lambda u: u * learning_rate_scale, updates)
+    learning_rate = schedule(state.step)
+    if learning_rate_scale != 1.0:  # Static: at 1 the program is exactly the unscaled one.
+      # Every optimiser here ends by multiplying its update by the learning rate, so
+      # scaling the update scales the learning rate (and AdamW's decay with it).
+      updates = jax.tree.map(lambda u: u * learning_rate_scale, updates)
+      learning_rate = learning_rate * learning_rate_scale
     params = optax.apply_updates(state.params, updates)
     metrics['grad_norm'] = optax.tree.norm(grads)
     metrics['update_norm'] = optax.tree.norm(updates)
-    metrics['learning_rate'] = schedule(state.step) * learning_rate_scale
+    metrics['learning_rate'] = learning_rate
     watched = [metrics[k] for k in divergence.WATCHED if k in metrics]
     finite = jnp.all(jnp.isfinite(jnp.stack(watched)))
     metrics['skipped'] = 1.0 - finite.astype(jnp.float32)
@@ -178,7 +181,9 @@ def make_train_step(method: methods.Method, optimizer, mesh, variant=(), domain_
     return TrainState(step=state.step + 1, params=keep(params, state.params),
                       opt_state=keep(opt_state, state.opt_state)), metrics
 
-  return jax.jit(train_step, donate_argnums=0)
+  # The scale is static: a multiply by a traced 1.0 changes how XLA fuses (and rounds)
+  # the update; each new scale (one per rollback) compiles the step once more.
+  return jax.jit(train_step, donate_argnums=0, static_argnames='learning_rate_scale')
 
 
 def batch_loss(method, params, episodes, loss, remat):
@@ -363,7 +368,8 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
                                              domain_sizes.get('train', ()), host)
     # The data of step s depend only on (seed, s): a resumed run sees the same.
     state, metrics = train_steps[variant](state, train_data, jax.random.fold_in(train_key, step),
-                                          inputs, rollbacks.learning_rate_scale)
+                                          inputs,
+                                          learning_rate_scale=rollbacks.learning_rate_scale)
     pending.append((step, metrics))
     last = step == num_steps
     stop = signals.stop_at(step)  # Read once: the signal may arrive at any moment.

@@ -316,8 +316,8 @@ def test_a_loss_spike_rolls_back_and_lowers_the_learning_rate(tmp_path, monkeypa
   def with_spike(*args, **kwargs):
     step_fn = real_step(*args, **kwargs)
 
-    def step(state, *step_args):
-      state, metrics = step_fn(state, *step_args)
+    def step(state, *step_args, **step_kwargs):
+      state, metrics = step_fn(state, *step_args, **step_kwargs)
       if int(state.step) == 16 and not spiked:  # Only the first time step 16 runs.
         spiked.append(16)
         metrics = dict(metrics, loss=metrics['loss'] * 100)
@@ -339,17 +339,17 @@ def test_a_loss_spike_rolls_back_and_lowers_the_learning_rate(tmp_path, monkeypa
   assert all(rate[s] == pytest.approx(5e-4) for s in range(14, 25, 2))
   assert complete_steps(workdir) == [4, 8, 12, 16, 20, 24]  # 16 rewritten after the rollback.
 
-  # The same as 12 steps at 1e-3, then 12 more at 5e-4 (Adam's state does not depend
-  # on the rate; the steps' data depend only on the seed and the step).
+  # Up to the step rolled back to, the run is an unspiked one, bit for bit (the same
+  # program at scale 1). After it the two programs round the update differently, and
+  # Adam's near-sign steps make a comparison with a run at 5e-4 loose; the rows above
+  # check the rate instead.
   monkeypatch.setattr(train, 'make_train_step', real_step)
   reference = str(tmp_path / 'reference')
   train.train_and_evaluate(tiny_config(**{**settings, 'train.num_steps': 12}), reference, dataset)
-  train.train_and_evaluate(tiny_config(**settings, **{'optim.learning_rate': 5e-4}), reference,
-                           dataset)
+  assert [row for row in metrics(reference) if row['split'] == 'train'] == train_rows[:6]
   restore = lambda w: ocp.StandardCheckpointer().restore(
-      os.path.join(w, 'checkpoints', '24', 'default'))['params']
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               restore(workdir), restore(reference))
+      os.path.join(w, 'checkpoints', '12', 'default'))['params']
+  jax.tree.map(np.testing.assert_array_equal, restore(workdir), restore(reference))
 
   # Resumed, the run keeps the lower rate.
   train.train_and_evaluate(tiny_config(**{**settings, 'train.num_steps': 28,
@@ -364,8 +364,8 @@ def test_too_many_loss_spikes_stop_the_run(tmp_path, monkeypatch):
   def always_spiking(*args, **kwargs):
     step_fn = real_step(*args, **kwargs)
 
-    def step(state, *step_args):
-      state, metrics = step_fn(state, *step_args)
+    def step(state, *step_args, **step_kwargs):
+      state, metrics = step_fn(state, *step_args, **step_kwargs)
       if int(state.step) > 8:
         metrics = dict(metrics, loss=metrics['loss'] * 100)
       return state, metrics
