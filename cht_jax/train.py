@@ -395,15 +395,12 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
       if rollbacks.is_spike(step, last_metrics['loss'], state):
         state = rollbacks.roll_back(step, manager)
         step = int(state.step)
-        if stop:
-          checkpoints.save(manager, step, state, wait=True)
-          raise preemption.Preempted(
-              f'Stopped by {signals.name} after rolling back to step {step} (a loss spike), '
-              f'checkpointed in {manager.directory}; rerun the same command to resume.',
-              signals.signum)
-        if host:
-          batches = datasets.host_batches(config, step + 1)
-        continue
+        if not stop:
+          if host:
+            batches = datasets.host_batches(config, step + 1)
+          continue
+        # Stopping: checkpoint the rolled-back state below, unless it is saved already.
+        do_eval, last, do_save = False, False, step not in manager.all_steps()
     if do_eval:
       validation = validate(state.params, eval_key)
       log.write(step, 'validation', validation)
@@ -434,9 +431,9 @@ class _Rollbacks:
 
   def __init__(self, config, log, first_step: int):
     self._log = log
-    self._spikes = divergence.LossSpikes(config.train.get('loss_spike_factor', 0.0),
-                                         curriculum.switch_steps(config))
-    self._enabled = bool(config.train.get('loss_spike_factor', 0.0))
+    factor = config.train.get('loss_spike_factor', 0.0)  # Absent from older runs' config.json.
+    self._spikes = divergence.LossSpikes(factor, curriculum.switch_steps(config))
+    self._enabled = bool(factor)
     rows = [r for r in log.rows('rollback') if r['step'] <= first_step]
     self._count = len(rows)
     self.learning_rate_scale = rows[-1]['rollback/learning_rate_scale'] if rows else 1.0

@@ -114,6 +114,16 @@ def window_means(rows: list[tuple[int, dict[str, float]]], elapsed: float,
   return means
 
 
+def _parse_row(line: str) -> dict[str, Any] | None:
+  """A line of metrics.jsonl as a dict; None for a torn line (a killed writer's last)."""
+  if not line.endswith('\n'):
+    return None
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError:
+    return None
+
+
 class MetricsLog:
   """TensorBoard summaries and a JSON-lines copy (`metrics.jsonl`) for scripts."""
 
@@ -158,14 +168,9 @@ class MetricsLog:
     """The rows of `split` in metrics.jsonl (any process may read them)."""
     if not os.path.exists(self._path):
       return []
-    rows = []
     with open(self._path) as f:
-      for line in f:
-        try:
-          rows.append(json.loads(line))
-        except json.JSONDecodeError:  # A torn last line.
-          continue
-    return [row for row in rows if row.get('split') == split]
+      rows = [_parse_row(line) for line in f]
+    return [row for row in rows if row is not None and row.get('split') == split]
 
   def drop_after(self, step: int) -> None:
     """Drops training rows after `step` and a torn last line, before resuming from `step`.
@@ -204,11 +209,8 @@ class MetricsLog:
     self._writer.flush()
 
   def _keep(self, line: str, step: int) -> bool:
-    if not line.endswith('\n'):
-      return False
-    try:
-      row = json.loads(line)
-    except json.JSONDecodeError:
+    row = _parse_row(line)
+    if row is None:
       return False
     return row.get('split') not in self.TRAINING_SPLITS or row.get('step', 0) <= step
 

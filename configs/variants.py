@@ -20,8 +20,9 @@ sizes itself. What every dataset's variant shares is written once here:
          first 5% of the steps then cosine decay to 0 over the rest, a batch of
          episodes per step, no rotation augmentation (short runs underfit:
          rotated copies of the training classes cost 3-4 validation points at 10
-         CPU minutes), and finite collapses rolled back (train.loss_spike_factor). The schedule follows train.num_steps: override that to fit
-         a budget and warmup and decay follow.
+         CPU minutes), and finite collapses rolled back (train.loss_spike_factor).
+         The schedule follows train.num_steps: override that to fit a budget and
+         warmup and decay follow.
 """
 
 import ml_collections

@@ -358,6 +358,41 @@ def test_a_loss_spike_rolls_back_and_lowers_the_learning_rate(tmp_path, monkeypa
   assert [row['train/learning_rate'] for row in resumed] == pytest.approx([5e-4, 5e-4])
 
 
+def test_a_stop_at_a_loss_spike_keeps_the_rolled_back_state(tmp_path, monkeypatch):
+  """SIGTERM arrives at the step whose window is a spike: the run rolls back to step
+  12 (already checkpointed), keeps it and stops, as after any other step."""
+  real_step = train.make_train_step
+
+  def with_spike(*args, **kwargs):
+    step_fn = real_step(*args, **kwargs)
+
+    def step(state, *step_args, **step_kwargs):
+      state, metrics = step_fn(state, *step_args, **step_kwargs)
+      if int(state.step) == 16:
+        metrics = dict(metrics, loss=metrics['loss'] * 100)
+      return state, metrics
+    return step
+
+  def stop_at(self, step):
+    if step == 16:
+      self.signum = signal.SIGTERM
+    return step == 16
+
+  monkeypatch.setattr(train, 'make_train_step', with_spike)
+  monkeypatch.setattr(preemption.SignalFlag, 'stop_at', stop_at)
+  workdir = str(tmp_path / 'work')
+  config = tiny_config(**{'train.num_steps': 24, 'train.log_every_steps': 2,
+                          'train.checkpoint_every_steps': 4, 'train.keep_checkpoints': 10,
+                          'train.eval_every_steps': 0, 'train.loss_spike_factor': 3.0})
+  with pytest.raises(preemption.Preempted, match='Stopped by SIGTERM after step 12, '):
+    train.train_and_evaluate(config, workdir, {'train': class_images(12),
+                                               'validation': class_images(12, seed=1)})
+  assert complete_steps(workdir) == [4, 8, 12]
+  rows = metrics(workdir)
+  assert max(row['step'] for row in rows) == 12
+  assert [row['step'] for row in rows if row['split'] == 'rollback'] == [12]
+
+
 def test_too_many_loss_spikes_stop_the_run(tmp_path, monkeypatch):
   real_step = train.make_train_step
 

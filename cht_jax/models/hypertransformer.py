@@ -240,7 +240,8 @@ class HyperTransformer(nn.Module):
     for i, c_out in enumerate(self.channels):
       name = f'block_{i}'
       kernel_shape = (self.kernel_size, self.kernel_size, x.shape[-1], c_out)
-      if self._is_trained(i):
+      trained = self._is_trained(i)
+      if trained:
         block = {'kernel': self.param(f'{name}_kernel', _glorot, kernel_shape)}
       else:
         rows = self._generate_layer(
@@ -250,7 +251,7 @@ class HyperTransformer(nn.Module):
             {'kernel': _glorot(key, shape), 'scale': jnp.ones(shape[-1]),
              'bias': jnp.zeros(shape[-1])}, self.generate_bn))
         block = slices_to_block(rows, kernel_shape, self.generate_bn)
-      if not self.generate_bn or self._is_trained(i):
+      if not self.generate_bn or trained:
         block['scale'] = self.param(f'{name}_scale', nn.initializers.ones, (c_out,))
         block['bias'] = self.param(f'{name}_bias', nn.initializers.zeros, (c_out,))
       theta[name] = block
