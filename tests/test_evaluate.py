@@ -493,6 +493,14 @@ def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
   usual = np.mean(np.asarray(api.classify(model, theta, prototypes, queries, task=0))
                   == query_labels)
   assert diagnostic.accuracy_with(model, theta, support, labels, queries, query_labels) == usual
+  # Where the weight tokens look: one row per generated layer and encoder layer.
+  stats = diagnostic.attention(model, test_images, shots=1, num_tasks=4, seed=0)
+  assert set(stats) == {f'{layer}/layer_0' for layer in
+                        ('block_0', 'block_1', 'block_2', 'block_3', 'head')}
+  for s in stats.values():
+    assert 0 < s['on_support'] < 1 and 0 < s['entropy'] <= 1
+    assert 1 / 3 <= s['top'] <= 1 and 1 / 3 <= s['same_label'] <= 1  # S = K = 3.
+    assert 1 / 3 < s['same_label_chance'] < 1
 
 
 def test_adaptation_headroom_trains_only_the_named_arrays(trained):

@@ -145,6 +145,27 @@ def test_generated_theta_is_exactly_the_cnn_params(omniglot_ht):
   np.testing.assert_array_equal(support_embeddings, embeddings)
 
 
+def test_attention_weights_are_sown_for_diagnostics():
+  """The encoder keeps its attention weights where 'intermediates' are collected:
+  softmax(q k^T / sqrt(d)) of its own projections, and collecting them changes
+  nothing that it computes."""
+  encoder = transformer.Encoder(num_layers=2, num_heads=2, query_key_fraction=1.0,
+                                value_fraction=1.0, inner_fraction=1.0, activation='relu',
+                                encoder_impl='xla')
+  tokens = jax.random.normal(jax.random.key(0), (7, 8))
+  params = encoder.init(jax.random.key(1), tokens)['params']
+  outputs, found = encoder.apply({'params': params}, tokens, mutable=['intermediates'])
+  np.testing.assert_array_equal(outputs, encoder.apply({'params': params}, tokens))
+  (weights,) = found['intermediates']['layer_0']['attention']['attention_weights']
+  attention = params['layer_0']['attention']
+  project = lambda name: (tokens @ attention[name]['kernel'] + attention[name]['bias']
+                          ).reshape(7, 2, 4)
+  logits = jnp.einsum('qhd,khd->hqk', project('query'), project('key')) / 2.0
+  np.testing.assert_allclose(weights, jax.nn.softmax(logits), rtol=1e-5, atol=1e-6)
+  assert weights.shape == (2, 7, 7)
+  assert set(found['intermediates']) == {'layer_0', 'layer_1'}
+
+
 @pytest.mark.parametrize('generate_bn', [False, True])
 def test_slices_round_trip(generate_bn):
   key = jax.random.key(0)

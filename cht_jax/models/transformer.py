@@ -62,7 +62,11 @@ class MultiHeadSelfAttention(nn.Module):
     k = _dense(self.query_key_dim, 'key')(x).reshape(length, h, -1)
     v = _dense(self.value_dim, 'value')(x).reshape(length, h, -1)
     logits = jnp.einsum('qhd,khd->hqk', q, k) / math.sqrt(q.shape[-1])
-    attended = jnp.einsum('hqk,khd->qhd', jax.nn.softmax(logits, axis=-1), v)
+    weights = jax.nn.softmax(logits, axis=-1)
+    # [h, L, L], kept only where the caller collects 'intermediates' (diagnostics:
+    # examples/task_specificity.py); otherwise a no-op.
+    self.sow('intermediates', 'attention_weights', weights)
+    attended = jnp.einsum('hqk,khd->qhd', weights, v)
     return _dense(width, 'output')(attended.reshape(length, -1))
 
 
