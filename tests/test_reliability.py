@@ -304,6 +304,23 @@ class TestLossSpikes:
     assert spikes.check(70, 4.6) is not None
 
 
+def _spiking_steps(spikes_at):
+  """`train.make_train_step` whose steps report 100x the loss where `spikes_at(step)`
+  (the step count after the update) is true; the state is the real step's."""
+  real_step = train.make_train_step
+
+  def make_train_step(*args, **kwargs):
+    step_fn = real_step(*args, **kwargs)
+
+    def step(state, *step_args, **step_kwargs):
+      state, metrics = step_fn(state, *step_args, **step_kwargs)
+      if spikes_at(int(state.step)):
+        metrics = dict(metrics, loss=metrics['loss'] * 100)
+      return state, metrics
+    return step
+  return make_train_step
+
+
 def test_a_loss_spike_rolls_back_and_lowers_the_learning_rate(tmp_path, monkeypatch):
   """A spike injected into the loss of the window ending at step 16: training goes
   back to step 12 (two healthy windows earlier) and goes on at half the rate."""
@@ -313,18 +330,13 @@ def test_a_loss_spike_rolls_back_and_lowers_the_learning_rate(tmp_path, monkeypa
   dataset = {'train': class_images(12), 'validation': class_images(12, seed=1)}
   real_step, spiked = train.make_train_step, []
 
-  def with_spike(*args, **kwargs):
-    step_fn = real_step(*args, **kwargs)
+  def first_run_of_step_16(step):  # Only the first time step 16 runs.
+    if step == 16 and not spiked:
+      spiked.append(16)
+      return True
+    return False
 
-    def step(state, *step_args, **step_kwargs):
-      state, metrics = step_fn(state, *step_args, **step_kwargs)
-      if int(state.step) == 16 and not spiked:  # Only the first time step 16 runs.
-        spiked.append(16)
-        metrics = dict(metrics, loss=metrics['loss'] * 100)
-      return state, metrics
-    return step
-
-  monkeypatch.setattr(train, 'make_train_step', with_spike)
+  monkeypatch.setattr(train, 'make_train_step', _spiking_steps(first_run_of_step_16))
   workdir = str(tmp_path / 'spiked')
   train.train_and_evaluate(tiny_config(**settings, **{'train.loss_spike_factor': 3.0}),
                            workdir, dataset)
@@ -361,24 +373,12 @@ def test_a_loss_spike_rolls_back_and_lowers_the_learning_rate(tmp_path, monkeypa
 def test_a_stop_at_a_loss_spike_keeps_the_rolled_back_state(tmp_path, monkeypatch):
   """SIGTERM arrives at the step whose window is a spike: the run rolls back to step
   12 (already checkpointed), keeps it and stops, as after any other step."""
-  real_step = train.make_train_step
-
-  def with_spike(*args, **kwargs):
-    step_fn = real_step(*args, **kwargs)
-
-    def step(state, *step_args, **step_kwargs):
-      state, metrics = step_fn(state, *step_args, **step_kwargs)
-      if int(state.step) == 16:
-        metrics = dict(metrics, loss=metrics['loss'] * 100)
-      return state, metrics
-    return step
-
   def stop_at(self, step):
     if step == 16:
       self.signum = signal.SIGTERM
     return step == 16
 
-  monkeypatch.setattr(train, 'make_train_step', with_spike)
+  monkeypatch.setattr(train, 'make_train_step', _spiking_steps(lambda step: step == 16))
   monkeypatch.setattr(preemption.SignalFlag, 'stop_at', stop_at)
   workdir = str(tmp_path / 'work')
   config = tiny_config(**{'train.num_steps': 24, 'train.log_every_steps': 2,
@@ -394,19 +394,7 @@ def test_a_stop_at_a_loss_spike_keeps_the_rolled_back_state(tmp_path, monkeypatc
 
 
 def test_too_many_loss_spikes_stop_the_run(tmp_path, monkeypatch):
-  real_step = train.make_train_step
-
-  def always_spiking(*args, **kwargs):
-    step_fn = real_step(*args, **kwargs)
-
-    def step(state, *step_args, **step_kwargs):
-      state, metrics = step_fn(state, *step_args, **step_kwargs)
-      if int(state.step) > 8:
-        metrics = dict(metrics, loss=metrics['loss'] * 100)
-      return state, metrics
-    return step
-
-  monkeypatch.setattr(train, 'make_train_step', always_spiking)
+  monkeypatch.setattr(train, 'make_train_step', _spiking_steps(lambda step: step > 8))
   config = tiny_config(**{'train.num_steps': 20, 'train.log_every_steps': 2,
                           'train.checkpoint_every_steps': 4, 'train.eval_every_steps': 0,
                           'train.loss_spike_factor': 3.0})

@@ -97,9 +97,9 @@ def _m0_numbers(config):
 
 
 def test_m0_step_is_the_same_as_before():
-  """Bit for bit on the machine that wrote M0_REFERENCE; elsewhere the sums of the
-  sampled images and the accuracies are still exact, and the loss and norms agree
-  up to float32 rounding (another CPU's kernels round differently)."""
+  """The sums of the sampled images and the accuracies exactly as in M0_REFERENCE,
+  the loss and norms to float32 rounding (another CPU's kernels round them
+  differently; the machine that wrote M0_REFERENCE matched them bit for bit)."""
   config = tiny_config(**{'episode.unlabeled_per_class': 0})
   numbers, keys = _m0_numbers(config)
   rounded = ('loss', 'theta_norm', 'grad_norm')
