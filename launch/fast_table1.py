@@ -4,12 +4,15 @@ r"""Trains a ':fast' config, evaluates it with the full protocol, and gathers th
   python launch/fast_table1.py --workdir=results/fast_t5 -- \
       --config=configs/omniglot_t5.py:fast --config.data.data_dir=$HOME/tensorflow_datasets
 
-  # The CPU version of the T=2 check (issue 16): 10 minutes of training on 2 cores,
-  # the first two conv blocks trained rather than written (docs/recipe.md, sections 5, 12).
+  # The CPU version of the T=2 check (issue 16): 10 minutes of training on 2 cores
+  # (docs/recipe.md, sections 5, 12, 13); the paper's 8-channel CNN ...
   python launch/fast_table1.py --workdir=results/fast_t2_cpu --train_seconds=600 -- \
       --config=configs/omniglot_t2.py:fast --config.train.episodes_per_step=8 \
-      --config.optim.learning_rate=0.0028 --config.model.trained_layers=2 \
-      --config.train.num_steps=6000
+      --config.optim.learning_rate=0.0028 --config.train.num_steps=6000
+  # ... and its 16-channel one (the paper's appendix width), half the steps/s.
+  python launch/fast_table1.py --workdir=results/fast_t2_cpu_16ch --train_seconds=600 -- \
+      --config=configs/omniglot_channels.py:16,2,fast --config.train.episodes_per_step=8 \
+      --config.optim.learning_rate=0.0028 --config.train.num_steps=3400
 
 Everything after `--` goes to `python -m cht_jax.main` for both the training
 and the evaluation (so `--config.x=y` overrides apply to both). Training resumes

@@ -5,6 +5,8 @@
 #   SPEED=0 ... bash launch/gpu_check.sh 560   # the recipe alone, with the whole budget
 #   SPEED=0 STEPS_PER_S=25 FAST_FLAGS=--config.train.episodes_per_step=16 ... 560
 #                                               # the recipe at 16 episodes per step
+#   SPEED=0 STEPS_PER_S=12 FAST_CONFIG=configs/omniglot_channels.py:16,5,fast ... 585
+#                                               # the 16-channel CNN (docs/recipe.md, 13)
 #   ... bash launch/gpu_check.sh 330            # the speed part alone (about 5 minutes)
 # On a machine that receives the tree without its git history (the lent GPU machines),
 # CHT_COMMIT=<commit> names the commit in results.json.

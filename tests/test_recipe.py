@@ -221,6 +221,8 @@ def test_fast_variant_schedule_follows_a_num_steps_override():
   assert (config.data.rotate, paper.data.rotate) == (False, True)
   assert (config.model.feature_norm, paper.model.feature_norm) == (True, False)
   assert (config.train.loss_spike_factor, paper.train.loss_spike_factor) == (1.1, 0.0)
+  assert (config.model.trained_layers, paper.model.trained_layers) == (2, 0)
+  assert (config.model.learned_base, paper.model.learned_base) == (0.1, 0.0)
 
 
 @pytest.mark.parametrize('field, value, message', [
