@@ -10,6 +10,9 @@
 #   # the next GPU session's check, with the T=5 run of docs/recipe.md section 9:
 #   CHT_COMMIT=<commit> EXTRA_RESULTS=docs/recipe_t5_h200_full_eval.json OUT=$OUT \
 #       DATA_DIR=.gpu_data bash launch/gpu_figure3.sh 585
+#   # the same at 16 channels (configs/omniglot_channels.py:16,T,fast; ConstPN as wide),
+#   # with the T=5 evaluation file of the 16-channel launch/gpu_check.sh run:
+#   CHANNELS=16 EXTRA_RESULTS=<its eval/test_T5_step*.json> ... bash launch/gpu_figure3.sh 585
 #
 # Why at the same time: a third of each run is compilation on the host's CPUs, which runs
 # in parallel; the GPU is shared (each process may take GPU_FRACTION of its memory). At T=5
@@ -31,6 +34,7 @@ STEPS=${STEPS:-2200}
 EVAL_TASKS=${EVAL_TASKS:-5}
 EVAL_EPISODES=${EVAL_EPISODES:-1024}  # The paper's protocol; lower only for a dry run.
 CONFIG_VARIANT=${CONFIG_VARIANT:-fast}
+CHANNELS=${CHANNELS:-}  # The CNN's width, e.g. 16; empty: the configs' own (8).
 GPU_FRACTION=${GPU_FRACTION:-0.18}
 EXTRA_RESULTS=${EXTRA_RESULTS:-}
 WORK=${WORK:-/tmp/figure3}
@@ -45,12 +49,17 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=$GPU_FRACTION
 TRAIN_SECONDS=$(( TOTAL - ($(date +%s) - START) - 190 ))
 say "training $RUNS at once, $STEPS steps each, stopped after $TRAIN_SECONDS s at most"
 for run in $RUNS; do
+  width=${CHANNELS:+--config.model.channels=$CHANNELS}
   case $run in
     constpn) config=configs/omniglot_constpn.py:$EVAL_TASKS,$CONFIG_VARIANT ;;
-    t*) config=configs/omniglot_${run}.py:$CONFIG_VARIANT ;;
+    t*) if [ -n "$CHANNELS" ]; then
+          config=configs/omniglot_channels.py:$CHANNELS,${run#t},$CONFIG_VARIANT; width=
+        else
+          config=configs/omniglot_${run}.py:$CONFIG_VARIANT
+        fi ;;
   esac
   python3 launch/fast_table1.py --workdir="$WORK/$run" --train_seconds="$TRAIN_SECONDS" -- \
-      --config=$config --config.data.data_dir="$DATA_DIR" --config.train.num_steps=$STEPS \
+      --config=$config --config.data.data_dir="$DATA_DIR" --config.train.num_steps=$STEPS $width \
       --eval_tasks=$EVAL_TASKS --eval_episodes=$EVAL_EPISODES --eval_batch_size=64 \
       > "$WORK/$run.log" 2>&1 &
 done
