@@ -71,7 +71,7 @@ def fast(config: ml_collections.ConfigDict, num_steps: int, episodes_per_step: i
   # The first two conv blocks as ordinary trained parameters (the original HT's
   # number_of_trained_cnn_layers); the transformers write blocks 2-3 and the head.
   # 1.5x the steps/s at 8 channels and +1.0 point on test tasks 0-1 over three seed
-  # pairs of 10 CPU minutes; +1.2 at 16 channels (docs/recipe.md, sections 12-13).
+  # pairs of 10 CPU minutes; +1.2 at 16 channels, one seed (docs/recipe.md, sections 12-13).
   config.model.trained_layers = 2
   # Each written layer is a learned task-independent base plus 0.1x (a learned
   # scale) what its transformer writes. At 16 channels the written CNN does not

@@ -49,11 +49,12 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=$GPU_FRACTION
 TRAIN_SECONDS=$(( TOTAL - ($(date +%s) - START) - 190 ))
 say "training $RUNS at once, $STEPS steps each, stopped after $TRAIN_SECONDS s at most"
 for run in $RUNS; do
-  width=${CHANNELS:+--config.model.channels=$CHANNELS}
+  width=
   case $run in
-    constpn) config=configs/omniglot_constpn.py:$EVAL_TASKS,$CONFIG_VARIANT ;;
+    constpn) config=configs/omniglot_constpn.py:$EVAL_TASKS,$CONFIG_VARIANT
+             width=${CHANNELS:+--config.model.channels=$CHANNELS} ;;
     t*) if [ -n "$CHANNELS" ]; then
-          config=configs/omniglot_channels.py:$CHANNELS,${run#t},$CONFIG_VARIANT; width=
+          config=configs/omniglot_channels.py:$CHANNELS,${run#t},$CONFIG_VARIANT
         else
           config=configs/omniglot_${run}.py:$CONFIG_VARIANT
         fi ;;
