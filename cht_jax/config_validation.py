@@ -142,6 +142,7 @@ SCHEMA: dict[str, Check] = {
     'data.rotate': _boolean,
     'data.images_per_class': _integer(1),
     'data.check_class_counts': _boolean,
+    'data.binarize': _boolean,
     'data.domains': _domains,
     'data.domain_split': _fractions,
     'data.augment.flip': _boolean,
@@ -155,6 +156,7 @@ SCHEMA: dict[str, Check] = {
     'episode.queries_per_class': _integer(1),
     'episode.task_classes': _choice(episodes.TASK_CLASSES),
     'episode.unlabeled_per_class': _integer(0),
+    'episode.independent_draws': _boolean,
     'model.channels': _integer(1),
     'model.num_blocks': _integer(1),
     'model.cnn_embedding_dim': _integer(1),
@@ -350,6 +352,10 @@ def _dataset_problems(c: ml_collections.ConfigDict) -> list[str]:
     problems.append(f"data.pipeline = 'host' is implemented for data.dataset in "
                     f"{datasets.HOST_PIPELINE_DATASETS}, not {data.dataset!r}: use "
                     "data.pipeline = 'device'.")
+  if data.binarize and data.dataset != 'omniglot':
+    problems.append(f"data.binarize = True binarises Omniglot's strokes as the original HT's "
+                    f"cache holds them, for data.dataset = 'omniglot' only, not "
+                    f'{data.dataset!r}: set data.binarize = False.')
   if c.episode.task_classes == 'domain' and data.dataset != 'multidomain':
     problems.append(f"episode.task_classes = 'domain' (one domain per task) needs "
                     f"data.dataset = 'multidomain', not {data.dataset!r}.")

@@ -13,6 +13,10 @@ scored:
   task-incremental  A_ti[t, tau]: softmax over the K classes of tau (eq. 5);
   class-incremental A_ci[t, tau]: softmax over the classes of tasks 0..t
                     (eq. 6), counted on the queries of tau.
+With `sampler='original'` each query draw is instead the original HT's test
+sampler's: Q images per class from all of its images, so a query may be the
+support image itself (hypertransformer/tf/core/evaluation_lib.py,
+`evaluate_dataset`); the episodes' classes and support sets are the same.
 Each per-episode entry is the mean over the query draws; results are the mean
 over episodes and the half-width of its 95% confidence interval,
 1.96 * std / sqrt(num_episodes) (`metrics.mean_and_ci`). T_eval may exceed the
@@ -50,6 +54,9 @@ from cht_jax.data import omniglot
 
 DEFAULT_SEED = 0  # Evaluation episodes; independent of config.seed.
 MATRICES = reports.MATRICES
+# Query draws: 'strict', never a support image; 'original', the original HT's
+# test sampler, from all images of the class (episodes.sample_evaluation_episode).
+SAMPLERS = ('strict', 'original')
 
 
 class EvaluationError(ValueError):
@@ -68,6 +75,10 @@ class Protocol:
     split: 'test' or 'validation' (or 'train').
     seed: seeds the episodes (not the model).
     batch_size: episodes per jit call; memory grows with it, not the results.
+    sampler: 'strict': the queries of each draw never a support image;
+      'original': the original HT's test sampler, queries drawn from all
+      images of a class, independently of its support set. Whatever the
+      training config's episode.independent_draws.
   """
   num_tasks: int
   queries_per_class: int
@@ -76,6 +87,7 @@ class Protocol:
   split: str = 'test'
   seed: int = DEFAULT_SEED
   batch_size: int = 8
+  sampler: str = 'strict'
 
   def __post_init__(self):
     for name in ('num_tasks', 'queries_per_class', 'num_episodes', 'num_query_draws',
@@ -85,6 +97,9 @@ class Protocol:
     if self.split not in ('train', 'validation', 'test'):
       raise EvaluationError(f"Evaluation split must be 'train', 'validation' or 'test', "
                        f'got {self.split!r}.')
+    if self.sampler not in SAMPLERS:
+      raise EvaluationError(f'Evaluation sampler must be one of {SAMPLERS}, got '
+                            f'{self.sampler!r}.')
 
 
 def default_protocol(config: ml_collections.ConfigDict, **overrides) -> Protocol:
@@ -119,12 +134,14 @@ def _split_and_spec(config, protocol: Protocol, class_images, domain_sizes=()):
 
 def evaluation_spec(config: ml_collections.ConfigDict, protocol: Protocol,
                     domain_sizes: tuple[int, ...] = ()) -> episodes_lib.EpisodeSpec:
-  """The training episode spec with T_eval tasks and Q queries per class.
+  """The training episode spec with T_eval tasks, Q queries per class and the
+  protocol's query sampler (independent draws for 'original').
 
   `domain_sizes`: classes of each domain in the split (task_classes='domain').
   """
   return datasets.episode_spec(config, domain_sizes)._replace(
-      num_tasks=protocol.num_tasks, queries_per_class=protocol.queries_per_class)
+      num_tasks=protocol.num_tasks, queries_per_class=protocol.queries_per_class,
+      independent_draws=protocol.sampler == 'original')
 
 
 def warn_if_evaluation_cannot_run(config: ml_collections.ConfigDict) -> list[str]:
@@ -384,7 +401,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
 
   Returns:
     (results, paths of the written files). Headline numbers also go to the
-    workdir's metrics log under the split `eval_<split>_T<T_eval>`.
+    workdir's metrics log under the split `eval_<split>_T<T_eval>` (with
+    `_original` added for that sampler).
   """
   method = methods.build(config, None if dataset is None else len(dataset['train']))
   params, step = restore_params(workdir, config, step, method)
@@ -408,7 +426,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   scalars = {f'{name}/{c}': m for name in ('class_incremental', 'task_incremental')
              for c, m in zip(results['table']['columns'], results['table'][name]['mean'])}
   scalars['episodes_per_sec'] = results['timing']['episodes_per_second']
-  log.write(step, f'eval_{protocol.split}_T{protocol.num_tasks}', scalars)
+  sampler = '' if protocol.sampler == 'strict' else f'_{protocol.sampler}'
+  log.write(step, f'eval_{protocol.split}_T{protocol.num_tasks}{sampler}', scalars)
   log.close()
   return results, paths
 

@@ -55,6 +55,8 @@ flags.DEFINE_integer('eval_queries_per_class', None, 'Queries per class in each 
                      "default the config's episode.queries_per_class.")
 flags.DEFINE_integer('eval_seed', evaluate.DEFAULT_SEED, 'Seed of the evaluation episodes.')
 flags.DEFINE_integer('eval_batch_size', 8, 'Episodes per compiled call (memory only).')
+flags.DEFINE_enum('eval_sampler', 'strict', list(evaluate.SAMPLERS), 'Query draws: strict '
+                  "(never a support image) or the original HT's (docs/evaluation.md).")
 flags.DEFINE_enum('eval_embeddings', None, ['umap', 'pca'], 'Also plot prototypes and '
                   'queries of one episode in 2-D (umap needs umap-learn).')
 # Multi-host: every process runs the same command; jax.distributed finds the
@@ -119,7 +121,8 @@ def main(argv):
           split=FLAGS.eval_split, num_episodes=FLAGS.eval_episodes,
           num_query_draws=FLAGS.eval_query_draws,
           queries_per_class=FLAGS.eval_queries_per_class, seed=FLAGS.eval_seed,
-          batch_size=FLAGS.eval_batch_size, embeddings=FLAGS.eval_embeddings)
+          batch_size=FLAGS.eval_batch_size, embeddings=FLAGS.eval_embeddings,
+          sampler=FLAGS.eval_sampler)
     else:
       train.train_and_evaluate(config, workdir)
   except train.USER_ERRORS as e:  # Their message says what is wrong and what to do.

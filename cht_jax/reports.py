@@ -62,7 +62,8 @@ def format_markdown(results: dict[str, Any]) -> str:
       f'T={num_tasks}; {protocol["num_episodes"]} episodes x '
       f'{protocol["num_query_draws"]} query draws of {protocol["queries_per_class"]} '
       f'queries per class; {results["episode"]["ways"]}-way {results["episode"]["shots"]}'
-      f'-shot; episode seed {protocol["seed"]}. Accuracy in %, mean ± half-width of the '
+      f'-shot; episode seed {protocol["seed"]}; {protocol.get("sampler", "strict")} query '
+      'sampler (docs/evaluation.md). Accuracy in %, mean ± half-width of the '
       '95% confidence interval over episodes. † marks theta_t with t >= T '
       '(extrapolation).',
       '',
@@ -147,5 +148,7 @@ def write_results(results: dict[str, Any], path_prefix: str, plot: bool = True) 
 
 
 def result_prefix(workdir: str, protocol, step: int) -> str:
-  """`<workdir>/eval/<split>_T<T_eval>_step<step>`."""
-  return os.path.join(workdir, 'eval', f'{protocol.split}_T{protocol.num_tasks}_step{step}')
+  """`<workdir>/eval/<split>_T<T_eval>_step<step>`, `_original` added for that sampler."""
+  suffix = '' if getattr(protocol, 'sampler', 'strict') == 'strict' else f'_{protocol.sampler}'
+  return os.path.join(workdir, 'eval',
+                      f'{protocol.split}_T{protocol.num_tasks}_step{step}{suffix}')

@@ -47,6 +47,10 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.data.image_size = 28
   config.data.rotate = True  # Per-class rotation by multiples of 90 degrees in training.
   config.data.images_per_class = 20  # Omniglot has 20.
+  # Omniglot only: True binarises the resized pixels (0 or 255) as the original HT's
+  # NumPy cache holds them (hypertransformer/tf/core/train_lib.py, _load_cache);
+  # False keeps the grey values of the bilinear resize.
+  config.data.binarize = False
   config.data.check_class_counts = True  # Only for tiered_imagenet.
   config.data.domains = ('omniglot',)  # Only for multidomain.
   config.data.domain_split = (0.7, 0.15, 0.15)  # Only for multidomain.
@@ -66,6 +70,11 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.episode.task_classes = 'disjoint'  # or 'same' (mini-batch), 'domain' (multidomain).
   # Unlabeled support images per class (semi-supervised, CHT only; 0 = the paper's setting).
   config.episode.unlabeled_per_class = 0
+  # True: each task's support images and its queries drawn apart, each without
+  # replacement, so a query may be a support image, as the original HT draws
+  # (hypertransformer/tf/core/datasets.py, _make_semisupervised_samples);
+  # False: the N + Q (+ U) images of a class in a task are distinct.
+  config.episode.independent_draws = False
 
   config.model = ml_collections.ConfigDict()
   config.model.channels = 8

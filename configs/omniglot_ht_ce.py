@@ -18,4 +18,10 @@ def get_config(arg=None):
       variant=variant)
   config.loss = 'cross_entropy'
   config.model.cnn_embedding_dim = config.episode.get_ref('ways')
+  # The original HT's data conventions, where this recipe would take them from:
+  # support and query images drawn apart (a query may be the support image) and
+  # binarised pixels. Off, as in every paper config, until the defaults are
+  # decided; evaluate with --eval_sampler=original for the original's test sampler.
+  config.episode.independent_draws = False
+  config.data.binarize = False
   return config

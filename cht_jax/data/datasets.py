@@ -1,7 +1,8 @@
 """The config's dataset: its loader, image shape, augmentation and pipeline.
 
 `config.data.dataset`:
-* 'omniglot': `omniglot.py`, 1 channel, all splits in memory (device path).
+* 'omniglot': `omniglot.py`, 1 channel, all splits in memory (device path);
+  grey, or binarised with data.binarize as the original HT's cache.
 * 'tiered_imagenet': `tiered_imagenet.py`, 3 channels. With
   data.pipeline='host' the training split is read by the host pipeline
   (`pipeline.py`) and only the first `data.images_per_class` images of each
@@ -52,7 +53,9 @@ def episode_spec(config: ml_collections.ConfigDict,
       queries_per_class=ep.queries_per_class, task_classes=ep.task_classes,
       domain_sizes=tuple(domain_sizes),
       # Absent from the config.json of runs from before semi-supervision.
-      unlabeled_per_class=ep.get('unlabeled_per_class', 0))
+      unlabeled_per_class=ep.get('unlabeled_per_class', 0),
+      # Absent from the config.json of runs from before the option.
+      independent_draws=ep.get('independent_draws', False))
 
 
 def _tiered_builder(config):
@@ -75,7 +78,9 @@ def load_dataset(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return omniglot.load_omniglot(
         data_dir=data.data_dir or None, manual_dir=data.manual_dir or None,
         split_scheme=data.split_scheme, split_seed=data.split_seed,
-        image_size=data.image_size)
+        image_size=data.image_size,
+        # Absent from the config.json of runs from before the option.
+        binarize=data.get('binarize', False))
   if data.dataset == 'multidomain':
     from cht_jax.data import multidomain  # pylint: disable=g-import-not-at-top
     arrays, sizes = multidomain.load_multidomain(

@@ -18,6 +18,15 @@ classes to its support set, under 'unlabeled_images' [T, K*U, H, W, D]: drawn
 from the same classes as the labelled ones, never one of the episode's
 support or query images, and with their labels dropped. With U = 0 the key is
 absent and every array is what it was before unlabeled images existed.
+
+Independent draws (spec.independent_draws, off by default) are the original
+HT's convention (hypertransformer/tf/core/datasets.py,
+`TaskGenerator._make_semisupervised_samples`: one `np.random.choice` without
+replacement per class per batch, the support batch and the query batch drawn
+separately): each task's support images (with its unlabeled ones) and its
+queries are drawn per class each without replacement, independently of each
+other, so a query may be a support image (1-shot: with probability 1/M per
+query). Off, the N + Q + U images of a class in a task are distinct.
 """
 
 from __future__ import annotations
@@ -48,6 +57,13 @@ class EpisodeSpec(NamedTuple):
       class images hold domain 0's classes first, then domain 1's, and so on.
     unlabeled_per_class: U, unlabeled support images per class (0: a fully
       labelled support set, as in the paper).
+    independent_draws: False: the N + Q + U images of a class in a task are
+      distinct (and, with task_classes='same', in different tasks too). True:
+      the original HT's draws, the support (and unlabeled) images and the
+      queries of each task drawn apart, so a query may repeat a support image;
+      with task_classes='same' each task draws anew, and images may repeat
+      across tasks. For `sample_evaluation_episode`, True is the original HT's
+      test sampler: each query draw from all M images of a class.
   """
   num_tasks: int
   ways: int
@@ -56,6 +72,7 @@ class EpisodeSpec(NamedTuple):
   task_classes: str = 'disjoint'
   domain_sizes: tuple[int, ...] = ()
   unlabeled_per_class: int = 0
+  independent_draws: bool = False
 
 
 def validate_spec(spec: EpisodeSpec, class_images_shape: tuple[int, ...],
@@ -175,7 +192,12 @@ def _image_problems(spec: EpisodeSpec, images: str, images_per_class: int) -> li
   names = ' + '.join(f'episode.{f}' for f in fields)
   values = ' + '.join(str(getattr(spec, f)) for f in fields)
   what = f'{names} = {values} = {needed} images per class'
-  if spec.task_classes == 'same':
+  if spec.independent_draws:
+    support = ' + '.join(f'episode.{f}' for f in fields if f != 'queries_per_class')
+    what = (f'max({support}, episode.queries_per_class) = {needed} distinct images per '
+            'class (episode.independent_draws: support and queries each drawn without '
+            'replacement)')
+  elif spec.task_classes == 'same':
     what = (f'episode.num_tasks * ({names}) = {spec.num_tasks} tasks * ({values}) = '
             f"{needed} distinct images per class (episode.task_classes='same': no image "
             'in two tasks)')
@@ -188,13 +210,16 @@ def images_per_task(spec: EpisodeSpec) -> int:
 
 
 def images_per_class_needed(spec: EpisodeSpec) -> int:
-  """Distinct images an episode draws from each of its classes.
+  """Images each class of an episode must have.
 
   N + Q + U; with the same classes in every task (task_classes='same'),
   T * (N + Q + U): no image is in two tasks, so no query of one task is a
   support image of another and no support batch repeats another (the
-  mini-batch setting).
+  mini-batch setting). With independent draws max(N + U, Q): each of the two
+  draws is without replacement on its own.
   """
+  if spec.independent_draws:
+    return max(spec.shots + spec.unlabeled_per_class, spec.queries_per_class)
   return images_per_task(spec) * (spec.num_tasks if spec.task_classes == 'same' else 1)
 
 
@@ -265,8 +290,20 @@ def _draw_domain_classes(key: jax.Array, spec: EpisodeSpec) -> jax.Array:
 def _draw_images(key: jax.Array, num_images: int,
                  spec: EpisodeSpec) -> jax.Array:
   """Image ids int32 [T, K, N+Q+U]: distinct within each (task, class), and
-  within each class across tasks when the tasks share their classes."""
+  within each class across tasks when the tasks share their classes; with
+  spec.independent_draws, the N + U support ids and the Q query ids distinct
+  each, drawn apart (every task anew)."""
   t, k, per_task = spec.num_tasks, spec.ways, images_per_task(spec)
+  if spec.independent_draws:
+    # The original HT draws its support batch and its query batch with one
+    # np.random.choice each (hypertransformer/tf/core/datasets.py,
+    # TaskGenerator._images_labels).
+    # Two independent subsets per (task, class), as the first N + U and the
+    # first Q of two random orders (one top_k for both).
+    n, u, q = spec.shots, spec.unlabeled_per_class, spec.queries_per_class
+    orders = _random_subset(key, (t, k, 2), num_images, max(n + u, q))
+    support, queries = orders[..., 0, :n + u], orders[..., 1, :q]
+    return jnp.concatenate([support[..., :n], queries, support[..., n:]], axis=-1)
   if spec.task_classes == 'same':
     ids = _random_subset(key, (k,), num_images, t * per_task)  # [K, T*(N+Q+U)]
     return ids.reshape(k, t, per_task).transpose(1, 0, 2)
@@ -361,17 +398,27 @@ def sample_evaluation_episode(key: jax.Array, class_images: jax.Array,
                               num_query_draws: int) -> dict[str, jax.Array]:
   """One evaluation episode: a fixed support set and R query draws (no augmentation).
 
-  The paper's protocol (DESIGN.md 1.5) runs every episode R times with
+  The paper's protocol (section 5) runs every episode R times with
   different query samples on the same support set. Each draw takes
   Q = spec.queries_per_class images per class from the M - N - U images that
   are not in the support set (nor among its U unlabeled images): distinct
   within a draw, never a support image, but draws may overlap each other.
   The unlabeled images, like the support set, are the same for every draw.
 
+  With spec.independent_draws, the original HT's test sampler
+  (hypertransformer/tf/core/evaluation_lib.py, `evaluate_dataset`: the
+  support batch is kept while each of its `num_eval_batches` query batches is
+  drawn anew by `TaskGenerator._images_labels`): each draw takes Q distinct
+  images per class from all M, so a query may be a support image. The
+  classes, the support set and the random numbers are those of the strict
+  draws ('disjoint' and 'domain' classes: the same support images; only the
+  queries differ), so the two protocols compare on paired episodes.
+
   Args:
     key: PRNG key.
     class_images: uint8 [C, M, H, W, D], the images of one split.
-    spec: the episode spec (static); needs N + Q + U <= M.
+    spec: the episode spec (static); needs N + Q + U <= M (independent
+      draws: N + U <= M and Q <= M).
     num_query_draws: R (static).
 
   Returns:
@@ -390,16 +437,20 @@ def sample_evaluation_episode(key: jax.Array, class_images: jax.Array,
   class_key, support_key, query_key = jax.random.split(key, 3)
   class_ids = _draw_classes(class_key, num_classes, spec)
   # [T, K, N+U]: the support images, then the unlabeled ones, drawn once.
-  support_ids = _draw_images(support_key, num_images, spec._replace(queries_per_class=0))
+  if spec.independent_draws:  # Every task anew, as _draw_images for 'disjoint'.
+    support_ids = _random_subset(support_key, (t, k), num_images, n + spec.unlabeled_per_class)
+  else:
+    support_ids = _draw_images(support_key, num_images, spec._replace(queries_per_class=0))
   # Each draw: the top-Q of uniform scores, with the support (and unlabeled)
   # images scored -1 (those of every task that has the class, with
-  # task_classes='same').
+  # task_classes='same'); with independent draws, of all M.
   scores = jax.random.uniform(query_key, (num_query_draws, t, k, num_images))
-  in_support = jnp.any(
-      support_ids[..., None] == jnp.arange(num_images), axis=-2)  # [T, K, M]
-  if spec.task_classes == 'same':
-    in_support = jnp.broadcast_to(jnp.any(in_support, axis=0), in_support.shape)
-  scores = jnp.where(in_support, -1.0, scores)
+  if not spec.independent_draws:
+    in_support = jnp.any(
+        support_ids[..., None] == jnp.arange(num_images), axis=-2)  # [T, K, M]
+    if spec.task_classes == 'same':
+      in_support = jnp.broadcast_to(jnp.any(in_support, axis=0), in_support.shape)
+    scores = jnp.where(in_support, -1.0, scores)
   query_ids = jax.lax.top_k(scores, q)[1].astype(jnp.int32)  # [R, T, K, Q]
   images = jnp.asarray(class_images)
   gather = lambda ids: normalize(images[class_ids[..., None], ids])

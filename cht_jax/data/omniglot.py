@@ -9,7 +9,9 @@ Two entry points:
   the normal TFDS download.
 * `load_omniglot(...)` returns uint8 arrays `[C, 20, H, W, 1]` per split
   ('train', 'validation', 'test'), cached as a compressed `.npz` under
-  `<data_dir>/cht_jax_cache/`.
+  `<data_dir>/cht_jax_cache/`: the grey values of the resize, or with
+  `binarize=True` (config.data.binarize) two values, 0 and 255, as the
+  original HT's NumPy cache holds them (see `binarize_images`).
 
 Class ids are TFDS's `label` feature, which is already a global id 0..1622:
 TFDS takes it from the Omniglot file names (`XXXX_YY.png`, XXXX = 1-based
@@ -436,9 +438,32 @@ def _data_dir_root(data_dir: str | None) -> str:
 
 
 def _cache_path(root: str, split_scheme: str, split_seed: int,
-                image_size: int) -> str:
+                image_size: int, binarize: bool = False) -> str:
+  """The cache file; binarised images have their own (grey ones keep the old name)."""
+  suffix = '_binary' if binarize else ''
   return os.path.join(root, _CACHE_DIRNAME,
-                      f'omniglot_{split_scheme}_{split_seed}_{image_size}.npz')
+                      f'omniglot_{split_scheme}_{split_seed}_{image_size}{suffix}.npz')
+
+
+# Grey levels from here up become background (255), the others stroke (0).
+BINARIZE_THRESHOLD = 128
+
+
+def binarize_images(images: np.ndarray) -> np.ndarray:
+  """uint8 images of the resize -> uint8 with only 0 (stroke) and 255 (background).
+
+  The original HT reads Omniglot from a NumPy cache of boolean pixels and
+  turns True into 255, False into 0 (hypertransformer/tf/core/train_lib.py,
+  `_load_cache` and `_convert_bool`) before its x / 128 - 1. How that cache
+  was made is not in the original code (it is a download); Omniglot's 1-bit
+  PNGs are 1 on the white background, so a boolean read of them is True
+  there, the polarity kept here (255 = background, as in the grey images).
+  The threshold is the midpoint: each resized pixel goes to the nearer of the
+  two values. Applied at the stored resolution (`image_size`): the original
+  resizes after reading its cache (`train_lib._resize`, bilinear), which
+  leaves two values only where the cache already has the model's size.
+  """
+  return np.where(np.asarray(images) >= BINARIZE_THRESHOLD, 255, 0).astype(np.uint8)
 
 
 def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
@@ -446,6 +471,10 @@ def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix='.npz.tmp')
   try:
+    # mkstemp's 0600 would hide the cache from the other users of a shared data dir.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
     with os.fdopen(fd, 'wb') as f:
       np.savez_compressed(f, **arrays)
     os.replace(tmp, path)
@@ -478,6 +507,7 @@ def load_omniglot(
     image_size: int = 28,
     images_per_class: int = IMAGES_PER_CLASS,
     allow_incomplete_classes: bool = False,
+    binarize: bool = False,
 ) -> dict[str, np.ndarray]:
   """Loads Omniglot class images per split, preparing the data if needed.
 
@@ -499,6 +529,8 @@ def load_omniglot(
     allow_incomplete_classes: for mock data in tests: drop classes with fewer
       than M images (keep the first M otherwise) and only warn about labels
       that are not Omniglot's global ids, instead of raising DataError.
+    binarize: the resized images binarised (`binarize_images`), cached in a
+      file of their own beside the grey one, made from it.
 
   Returns:
     {'train', 'validation', 'test'} -> uint8 [C_split, M, S, S, 1]; with the
@@ -511,6 +543,9 @@ def load_omniglot(
   splits = class_split(split_scheme, split_seed)  # Validates the scheme.
   # Mock data (tests) never reads or writes the cache of the real dataset.
   use_cache = images_per_class == IMAGES_PER_CLASS and not allow_incomplete_classes
+  if binarize:
+    return _load_binarized(data_dir, manual_dir, split_scheme, split_seed, image_size,
+                           images_per_class, allow_incomplete_classes, use_cache)
   if use_cache:
     # Read before TFDS is imported: training and evaluation from a prepared
     # cache need neither TensorFlow nor TFDS (GPU images often lack them).
@@ -553,4 +588,29 @@ def load_omniglot(
     logging.info('Omniglot cached to %s.', cache)
   logging.info('Omniglot %s split: %s classes in %.1f s.', split_scheme,
                {s: len(v) for s, v in out.items()}, time.time() - start)
+  return out
+
+
+def _load_binarized(data_dir, manual_dir, split_scheme, split_seed, image_size,
+                    images_per_class, allow_incomplete_classes, use_cache):
+  """`load_omniglot(..., binarize=True)`: its own cache, else the grey images binarised."""
+  cache = _cache_path(_data_dir_root(data_dir), split_scheme, split_seed, image_size,
+                      binarize=True)
+  if use_cache and os.path.exists(cache):
+    try:
+      with np.load(cache) as f:
+        out = {s: f[s] for s in SPLITS}
+      logging.info('Binarised Omniglot loaded from cache %s.', cache)
+      return out
+    except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
+      logging.warning('Rebuilding the unreadable cache %s (%s: %s).', cache,
+                      type(e).__name__, e)
+  grey = load_omniglot(data_dir, manual_dir, split_scheme, split_seed, image_size,
+                       images_per_class, allow_incomplete_classes)
+  out = {s: binarize_images(grey[s]) for s in SPLITS}
+  # Only beside a grey cache, which exists once the data passed every check.
+  if use_cache and os.path.exists(_cache_path(
+      _data_dir_root(data_dir), split_scheme, split_seed, image_size)):
+    _save_npz(cache, out)
+    logging.info('Binarised Omniglot cached to %s.', cache)
   return out

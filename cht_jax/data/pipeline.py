@@ -11,8 +11,9 @@ and only the images of the coming episodes are read:
    the process, for several hosts each drawing its share of the batch): the
    episodes of a step depend only on (seed, s, p), so a resumed run sees the
    same data. The drawing rules are those of the device sampler ('disjoint',
-   'same' or 'domain' classes; N + Q distinct images per class), not its
-   random numbers. With U unlabeled images per class (semi-supervised
+   'same' or 'domain' classes; N + Q distinct images per class, or with
+   episode.independent_draws the N support and Q query images drawn apart),
+   not its random numbers. With U unlabeled images per class (semi-supervised
    episodes) each class gives N + Q + U, the U last ones unlabeled.
 2. tf.data: `range(first_step, ...)` -> fetch the encoded images of a step
    (parallel, deterministic order) -> decode + resize (parallel) -> the
@@ -181,7 +182,9 @@ def episode_indices(seed: int, step: int, index: ClassIndex,
 
   Returns:
     (records int64 [B, T, K, N+Q+U], N + Q + U distinct images per class:
-    support, queries, then unlabeled; class rows int32 [B, T, K], rows of
+    support, queries, then unlabeled; with spec.independent_draws the N + U
+    support and unlabeled images distinct, the Q queries distinct, drawn
+    apart (as `episodes._draw_images`); class rows int32 [B, T, K], rows of
     `index`).
   """
   rng = np.random.default_rng([seed, step, process])
@@ -189,6 +192,14 @@ def episode_indices(seed: int, step: int, index: ClassIndex,
   classes = np.stack([_draw_classes(rng, len(index.records), spec)
                       for _ in range(num_episodes)])
   records = np.empty(classes.shape + (per_class,), np.int64)
+  if spec.independent_draws:  # The original HT's draws: one choice per batch.
+    n, q = spec.shots, spec.queries_per_class
+    for pos in np.ndindex(classes.shape):
+      pool = index.records[classes[pos]]
+      support = rng.choice(len(pool), n + spec.unlabeled_per_class, replace=False)
+      queries = rng.choice(len(pool), q, replace=False)
+      records[pos] = pool[np.concatenate([support[:n], queries, support[n:]])]
+    return records, classes.astype(np.int32)
   if spec.task_classes == 'same':  # No image in two tasks (episodes.images_per_class_needed).
     for b, k in np.ndindex(num_episodes, spec.ways):
       pool = index.records[classes[b, 0, k]]
