@@ -1,7 +1,9 @@
 """Result files of an evaluation: JSON, CSV, Markdown and the figure.
 
 `write_results(results, <workdir>/eval/<split>_T<T_eval>_step<step>)` writes
-what `evaluate.evaluate` returns (docs/evaluation.md describes each file).
+what `evaluate.evaluate` returns (docs/evaluation.md describes each file). Each
+file is written whole or not at all (`workdir.atomic_path`): a full disk leaves
+the complete results of an earlier evaluation, never a truncated one.
 """
 
 import json
@@ -9,6 +11,8 @@ import os
 from typing import Any
 
 import numpy as np
+
+from cht_jax import workdir as workdir_lib
 
 MATRICES = ('task_incremental', 'class_incremental', 'class_incremental_cumulative')
 
@@ -131,20 +135,61 @@ def write_results(results: dict[str, Any], path_prefix: str, plot: bool = True) 
   format; the Markdown the Table 1 layout, the matrices and the summaries; the
   PNG the task- and class-incremental panels (`plots.plot_results`).
   """
-  os.makedirs(os.path.dirname(os.path.abspath(path_prefix)), exist_ok=True)
+  folder = os.path.dirname(os.path.abspath(path_prefix))
   results = _jsonable(results)
-  paths = [path_prefix + ext for ext in ('.json', '.csv', '.md')]
-  with open(paths[0], 'w') as f:
-    json.dump(results, f, indent=1)
-  with open(paths[1], 'w') as f:
-    f.write('\n'.join(','.join(str(v) for v in row) for row in csv_rows(results)) + '\n')
-  with open(paths[2], 'w') as f:
-    f.write(format_markdown(results))
-  if plot:
-    from cht_jax import plots  # Matplotlib only when a figure is wanted.
-    paths.append(path_prefix + '.png')
-    plots.plot_results([results], paths[-1])
+  texts = {'.json': json.dumps(results, indent=1),
+           '.csv': '\n'.join(','.join(str(v) for v in row) for row in csv_rows(results)) + '\n',
+           '.md': format_markdown(results)}
+  paths = [path_prefix + ext for ext in texts]
+  try:
+    os.makedirs(folder, exist_ok=True)
+    for path, text in zip(paths, texts.values()):
+      workdir_lib.write_atomically(path, text)
+    if plot:
+      from cht_jax import plots  # Matplotlib only when a figure is wanted.
+      paths.append(path_prefix + '.png')
+      with workdir_lib.atomic_path(paths[-1]) as partial:
+        plots.plot_results([results], partial)
+  except OSError as e:
+    raise ReportError(
+        f'Writing the evaluation results in {folder} failed ({_reason(e)}). No partial '
+        'file is left under a result name, and the results of earlier evaluations there '
+        'are kept. Free disk space or fix the permissions of that folder, then rerun the '
+        'same command.') from None
   return paths
+
+
+class ReportError(workdir_lib.WorkdirError):
+  """The result files of an evaluation cannot be written (a WorkdirError: `main` prints
+  its message alone)."""
+
+
+def check_writable(workdir: str) -> str:
+  """Creates `<workdir>/eval` (where `result_prefix` puts the results) and checks a file
+  can be written there: before evaluating, not after.
+
+  Returns:
+    The folder.
+
+  Raises:
+    ReportError: naming the folder, the reason and what to do.
+  """
+  folder = os.path.join(os.path.abspath(workdir), 'eval')
+  try:
+    os.makedirs(folder, exist_ok=True)
+    workdir_lib.write_atomically(os.path.join(folder, '.write_test'), 'ok\n')
+    os.remove(os.path.join(folder, '.write_test'))
+  except OSError as e:
+    raise ReportError(
+        f'Cannot write the evaluation results to {folder} ({_reason(e)}). Free disk space '
+        'or make that folder writable, then rerun the same command; nothing was '
+        'evaluated.') from None
+  return folder
+
+
+def _reason(error: OSError) -> str:
+  """'No space left on device (errno 28)'."""
+  return f'{error.strerror} (errno {error.errno})' if error.errno else str(error)
 
 
 def result_prefix(workdir: str, protocol, step: int) -> str:

@@ -10,6 +10,7 @@ Files are written with the permissions the umask gives (a group on a shared
 cluster can read the results).
 """
 
+import contextlib
 import datetime
 import glob
 import json
@@ -18,7 +19,7 @@ import socket
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from absl import logging
 import jax
@@ -87,19 +88,34 @@ def _umask() -> int:
   return mask
 
 
-def write_json_atomically(path: str, text: str) -> None:
-  """`text` into `path` whole or not at all, with the umask's permissions (mkstemp's
-  are 0600, private to the user)."""
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix='.tmp')
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+  """A temporary path beside `path` to write to, renamed to `path` when the block ends.
+
+  So `path` always holds a complete file, the new one or the one before (a full
+  disk or a kill mid-write leaves no partial file under that name), with the
+  permissions the umask gives (mkstemp's are 0600, private to the user). If the
+  block raises, the temporary file is removed. Its name keeps the extension of
+  `path`, for writers that pick a format from it (Matplotlib's savefig).
+  """
+  folder, name = os.path.split(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=f'.{name}.',
+                             suffix='.tmp' + os.path.splitext(name)[1])
   try:
     os.fchmod(fd, 0o666 & ~_umask())
-    with os.fdopen(fd, 'w') as f:
-      f.write(text)
+    os.close(fd)
+    yield tmp
     os.replace(tmp, path)
   except BaseException:
-    if os.path.exists(tmp):
+    with contextlib.suppress(OSError):
       os.remove(tmp)
     raise
+
+
+def write_atomically(path: str, data: str | bytes) -> None:
+  """`data` into `path` whole or not at all (`atomic_path`)."""
+  with atomic_path(path) as tmp, open(tmp, 'wb' if isinstance(data, bytes) else 'w') as f:
+    f.write(data)
 
 
 def window_means(rows: list[tuple[int, dict[str, float]]], elapsed: float,
@@ -186,7 +202,7 @@ class MetricsLog:
     if len(kept) != len(lines):
       logging.info('Dropping %d rows after step %d from %s.', len(lines) - len(kept),
                    step, self._path)
-      write_json_atomically(self._path, ''.join(kept))
+      write_atomically(self._path, ''.join(kept))
       self._rebuild_events(kept)
 
   def _rebuild_events(self, lines: list[str]) -> None:
@@ -273,7 +289,7 @@ def _warn_once(message: str) -> None:
 
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
   """`<workdir>/config.json`: what `api.load_config` and resume mismatch messages read."""
-  write_json_atomically(os.path.join(workdir, 'config.json'), config.to_json_best_effort())
+  write_atomically(os.path.join(workdir, 'config.json'), config.to_json_best_effort())
 
 
 class RunLock:

@@ -157,6 +157,7 @@ def main():
                  key=os.path.getmtime)
   results = json.load(open(evals[-1]))
   import jax  # pylint: disable=g-import-not-at-top
+  from cht_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   summary = {
       'config': next(a.split('=', 1)[1] for a in args.main_args if a.startswith('--config=')),
       'command': shlex.join(sys.argv),
@@ -172,11 +173,12 @@ def main():
   metrics = os.path.join(workdir, 'metrics.jsonl')
   if os.path.exists(metrics):
     summary['validation_curve'] = training_curve(metrics)
-    plot_curve(summary['validation_curve'],
-               f"{summary['config']} on {summary['device']}, commit {summary['commit']}",
-               os.path.join(workdir, 'curve.png'))
-  with open(os.path.join(workdir, 'results.json'), 'w') as f:
-    json.dump(summary, f, indent=1)
+    with workdir_lib.atomic_path(os.path.join(workdir, 'curve.png')) as partial:
+      plot_curve(summary['validation_curve'],
+                 f"{summary['config']} on {summary['device']}, commit {summary['commit']}",
+                 partial)
+  workdir_lib.write_atomically(os.path.join(workdir, 'results.json'),
+                               json.dumps(summary, indent=1))
   row = summary['table1']
   lines = [f"{summary['config']}, step {summary['step']}, {summary['device']}, "
            f"JAX {summary['jax']}, commit {summary['commit']}", '',
@@ -187,8 +189,7 @@ def main():
     lines.append(f"| {key.replace('_', '-')} | " + ' | '.join(cells) + ' |')
   lines += ['', f"training {train_seconds or 0:.0f} s, evaluation {eval_seconds:.0f} s "
             '(wall clock, compilation and data loading included)']
-  with open(os.path.join(workdir, 'results.md'), 'w') as f:
-    f.write('\n'.join(lines) + '\n')
+  workdir_lib.write_atomically(os.path.join(workdir, 'results.md'), '\n'.join(lines) + '\n')
   print('\n'.join(lines))
 
 

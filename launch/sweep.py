@@ -32,6 +32,7 @@ columns, ConstPN and Merged HT drawn as baselines in every panel).
 import argparse
 import csv
 import glob
+import io
 import json
 import os
 import re
@@ -213,12 +214,14 @@ def write_table(records: list[dict], prefix: str) -> list[str]:
           'mean over tasks 0..t; mean ± 95% CI over episodes. Merged HT: only CI at 0..T-1 is '
           'its baseline number. Columns past a run\'s trained T extrapolate.')
   paths = [prefix + ext for ext in ('.md', '.csv', '.json')]
-  with open(paths[0], 'w') as f:
-    f.write('\n'.join(md) + '\n\n' + note + '\n')
-  with open(paths[1], 'w', newline='') as f:
-    csv.writer(f).writerows(rows)
-  with open(paths[2], 'w') as f:
-    json.dump([{k: v for k, v in r.items() if k != 'result'} for r in records], f, indent=1)
+  table = io.StringIO(newline='')
+  csv.writer(table).writerows(rows)
+  sys.path.insert(0, REPO_ROOT)
+  from cht_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  for path, text in zip(paths, ('\n'.join(md) + '\n\n' + note + '\n', table.getvalue(),
+                                json.dumps([{k: v for k, v in r.items() if k != 'result'}
+                                            for r in records], indent=1))):
+    workdir_lib.write_atomically(path, text)
   return paths
 
 
@@ -238,6 +241,7 @@ def write_figures(records: list[dict], prefix: str) -> list[str]:
   """One figure per dataset: CHT runs as columns, the other methods as baselines."""
   sys.path.insert(0, REPO_ROOT)
   from cht_jax import plots  # pylint: disable=g-import-not-at-top
+  from cht_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   paths = []
   for dataset in sorted({r['dataset'] for r in records}):
     group = [r for r in records if r['dataset'] == dataset]
@@ -245,7 +249,8 @@ def write_figures(records: list[dict], prefix: str) -> list[str]:
     baselines = [_as_baseline(r['result']) for r in group
                  if r['method'] != 'CHT']
     path = f'{prefix}_{dataset}.png'
-    plots.plot_results(columns, path, baselines=baselines)
+    with workdir_lib.atomic_path(path) as partial:
+      plots.plot_results(columns, partial, baselines=baselines)
     paths.append(path)
   return paths
 
