@@ -20,6 +20,8 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from cht_jax import devices
+
 
 class CheckpointError(RuntimeError):
   """A checkpoint could not be written, read, or does not fit the config."""
@@ -178,7 +180,8 @@ def restore_or_init(manager: ocp.CheckpointManager, state: Any,
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, wait: bool) -> None:
-  """Saves asynchronously (or not, if `wait`); errors become CheckpointError.
+  """Saves asynchronously (or not, if `wait`); errors become CheckpointError, or
+  devices.LostProcessError where another process of the job is gone.
 
   An asynchronous save that failed raises here at the next save or wait.
   """
@@ -187,6 +190,9 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, wait: bool) -> N
     if wait:
       manager.wait_until_finished()
   except Exception as e:  # pylint: disable=broad-except
+    if devices.lost_process(e):  # Not the disk's fault: a peer of its barrier is gone.
+      raise devices.lost_process_error(
+          f'a checkpoint save in {manager.directory} failed: {root_cause(e)}') from None
     try:
       manager.reload()
       kept = manager.all_steps()

@@ -6,15 +6,37 @@ each on few threads, so one CPU device leaves cores idle. Made one device per
 core (`use_cpu_cores`), the same data-parallel step as on GPUs gives each core
 its own share of the episodes: 1.15-1.35x more episodes/s at 8-32 episodes per
 step on 2 cores (docs/performance.md).
+
+Several processes (`initialize_distributed`): a bounded wait for the
+coordinator, and a watch that names a process of the job that is gone.
 """
 
+import atexit
 import os
+import threading
+import time
+from typing import Callable
 
+from absl import logging
 import jax
 from jax import flatten_util
 import jax.numpy as jnp
 
 _DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
+# What XLA's errors say when a collective or barrier lost its peer.
+_LOST_SIGNS = ('Gloo', 'heartbeat', 'Connection reset', 'UNAVAILABLE', 'connection closed',
+               'Socket closed')
+_WATCH_SECONDS = 1.0  # How often the watch asks the coordinator which processes live.
+_EXIT_BARRIER_MS = 30 * 60 * 1000  # At the end, process 0 may still be writing results.
+_SHUTTING_DOWN = threading.Event()  # Set at a normal exit: the watch then stands down.
+
+
+class CoordinatorError(RuntimeError):
+  """The processes of a job did not all reach the coordinator in time."""
+
+
+class LostProcessError(RuntimeError):
+  """Another process of this job is gone (killed, out of memory, its host lost)."""
 
 
 def cpu_cores() -> int:
@@ -100,3 +122,108 @@ def batch_grads(loss_fn, params, episodes, mesh: jax.sharding.Mesh, vectorize: b
 
   return jax.shard_map(device_grads, mesh=mesh, in_specs=(jax.P(), jax.P('data')),
                        out_specs=jax.P(), check_vma=False)(params, episodes)
+
+
+def initialize_distributed(coordinator_address: str | None, num_processes: int | None,
+                           process_id: int | None, heartbeat_timeout_seconds: int,
+                           coordinator_timeout_seconds: int,
+                           stop: Callable[[Exception], None]) -> None:
+  """`jax.distributed.initialize`, then a watch on the other processes.
+
+  `stop(error)` ends the process (it must not return): with a CoordinatorError
+  if this process has not joined the job after `coordinator_timeout_seconds`,
+  and with a LostProcessError once the coordinator has not heard from another
+  process for `heartbeat_timeout_seconds`, or is itself gone. Both come from a
+  thread, as the main thread may then be waiting in XLA, where Python cannot
+  interrupt it.
+  """
+  # Recoverable: a lost process is then reported to the others (the watch sees it)
+  # instead of aborting them in C++ without a word.
+  jax.config.update('jax_enable_recoverability', True)
+  address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
+  timer = threading.Timer(coordinator_timeout_seconds, lambda: stop(CoordinatorError(
+      _coordinator_message(address, num_processes, process_id, coordinator_timeout_seconds))))
+  timer.daemon = True
+  timer.start()
+  try:
+    # JAX's own deadline, later than the timer's, would abort without the address.
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=coordinator_timeout_seconds + 60,
+                               heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+  finally:
+    timer.cancel()
+  watch = threading.Thread(target=_watch_processes, args=(stop,), daemon=True,
+                           name='lost_process_watch')
+  watch.start()
+  atexit.register(_leave_together)
+
+
+def _leave_together() -> None:
+  """At a normal exit, waits for the other processes to finish too.
+
+  In recoverable mode JAX's shutdown no longer waits for them: a process that
+  left early would look lost to the others' watch, and the coordinator, in
+  process 0, could go while the others still need it to disconnect (they would
+  abort). So process 0 leaves last.
+  """
+  _SHUTTING_DOWN.set()
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  client = distributed.global_state.client
+  if client is None:
+    return
+  try:
+    client.wait_at_barrier('cht_jax_exit', _EXIT_BARRIER_MS)
+    if jax.process_index() == 0:
+      everyone, deadline = list(range(jax.process_count())), time.monotonic() + 60
+      while list(client.get_live_nodes(everyone)) != [0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning('Not all processes of the job reached its end: %s',
+                    ' '.join(str(e).split())[:300])
+
+
+def _coordinator_message(address, num_processes, process_id, seconds) -> str:
+  who = f'process {process_id} of {num_processes}' if process_id is not None else 'this process'
+  where = address or 'the address of the cluster environment'
+  return (f'{who} could not join the job at the coordinator {where} within {seconds} s '
+          '(--coordinator_timeout_seconds). Check that process 0 runs on that host and '
+          'listens on that port (--coordinator_address=host:port of process 0), that no '
+          'firewall blocks it, and that all processes of the job were started.')
+
+
+def _watch_processes(stop: Callable[[Exception], None]) -> None:
+  """Polls the coordinator for the live processes; stops this one when one is gone."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  everyone = list(range(jax.process_count()))
+  while not _SHUTTING_DOWN.wait(_WATCH_SECONDS):
+    try:
+      live = distributed.global_state.client.get_live_nodes(everyone)
+      lost = [i for i in everyone if i not in live]
+      detail = 'the coordinator has not heard from it within --heartbeat_timeout_seconds'
+    except Exception as e:  # pylint: disable=broad-except
+      if jax.process_index() == 0:  # The coordinator is this process: a passing fault.
+        continue
+      lost, detail = [0], f'the coordinator is unreachable: {" ".join(str(e).split())[:150]}'
+    if lost and not _SHUTTING_DOWN.is_set():
+      stop(lost_process_error(detail, lost))
+      return
+
+
+def lost_process(error: BaseException) -> bool:
+  """Whether `error` says another process of this job is gone (a collective or barrier
+  lost its peer). Always False with a single process."""
+  if jax.process_count() == 1:
+    return False
+  text = str(error)
+  return isinstance(error, LostProcessError) or any(s in text for s in _LOST_SIGNS)
+
+
+def lost_process_error(detail: str, lost: list[int] | None = None) -> LostProcessError:
+  """A LostProcessError naming the lost process(es); `lost` None: the other one of two."""
+  me, count = jax.process_index(), jax.process_count()
+  if lost is None and count == 2:
+    lost = [1 - me]
+  other = (f'process {", ".join(map(str, lost))}' if lost else 'another process')
+  return LostProcessError(f'process {me} of {count} lost contact with {other} of this job '
+                          f'({" ".join(detail.split())[:300]}).')

@@ -24,6 +24,7 @@ baselines) trains and evaluates the same way from its config:
 import os
 import re
 import sys
+import threading
 
 from absl import app
 from absl import flags
@@ -68,16 +69,11 @@ flags.DEFINE_integer('num_processes', None, 'Number of processes (default: from 
 flags.DEFINE_integer('process_id', None, 'This process (default: from the cluster).')
 flags.DEFINE_integer('heartbeat_timeout_seconds', 100, 'With --distributed: a process silent '
                      'this long is taken for lost, and the others stop.')
+flags.DEFINE_integer('coordinator_timeout_seconds', 180, 'With --distributed: how long to '
+                     'wait for the coordinator and the other processes to join the job.')
 config_flags.DEFINE_config_file('config', None, 'A config file (see configs/).',
                                 lock_config=True)
 flags.mark_flags_as_required(['config'])
-
-
-def lost_process(error: Exception) -> bool:
-  """Whether `error` says another process of the job is gone (its collective broke)."""
-  text = str(error)
-  return any(s in text for s in ('Gloo', 'heartbeat', 'Connection reset', 'UNAVAILABLE',
-                                 'connection closed', 'Socket closed'))
 
 
 def default_workdir(config_flag: str) -> str:
@@ -96,6 +92,24 @@ def _say(message: str) -> None:
   sys.stderr.flush()
 
 
+_STOPPING = threading.Lock()
+
+
+def _stop_job(error: Exception, workdir: str) -> None:
+  """Ends a process of a multi-process job at once, saying why in one line.
+
+  Not a normal exit: JAX's shutdown would wait on the lost process, then abort.
+  """
+  _STOPPING.acquire()  # The watch and the main thread may both stop it: one line.
+  if isinstance(error, devices.LostProcessError):
+    error = devices.LostProcessError(
+        f'{error} Stopping; the complete checkpoints in {os.path.abspath(workdir)}/'
+        f'checkpoints are kept: restart all {jax.process_count()} processes with the same '
+        'command to resume from the latest.')
+  _say(f'{type(error).__name__}: {error}')
+  os._exit(1)  # pylint: disable=protected-access
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -106,10 +120,10 @@ def main(argv):
     workdir = default_workdir(FLAGS['config'].config_filename)
     print(f'No --workdir given: using {os.path.abspath(workdir)}', file=sys.stderr, flush=True)
   if FLAGS.distributed:
-    jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
-                               num_processes=FLAGS.num_processes,
-                               process_id=FLAGS.process_id,
-                               heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds)
+    devices.initialize_distributed(
+        FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+        FLAGS.heartbeat_timeout_seconds, FLAGS.coordinator_timeout_seconds,
+        stop=lambda error: _stop_job(error, workdir))
   logging.info('JAX %s, process %d/%d, devices: %s', jax.__version__,
                jax.process_index(), jax.process_count(), jax.devices())
   try:
@@ -125,23 +139,17 @@ def main(argv):
           sampler=FLAGS.eval_sampler)
     else:
       train.train_and_evaluate(config, workdir)
-  except train.USER_ERRORS as e:  # Their message says what is wrong and what to do.
-    _say(f'{type(e).__name__}: {e}')
-    return 1
-  except preemption.Preempted as e:
-    _say(f'{e.label}: {e}')
-    return e.exit_code
   except Exception as e:  # pylint: disable=broad-except
-    if jax.process_count() == 1 or not lost_process(e):
-      raise
-    me, count = jax.process_index(), jax.process_count()
-    other = f'process {1 - me}' if count == 2 else 'another process'
-    print(f'LostProcessError: process {me} of {count} lost contact with {other} of this '
-          f'job ({" ".join(str(e).split())[:200]}). Stopping; the complete checkpoints in '
-          f'{os.path.abspath(workdir)}/checkpoints are kept: restart all {count} processes '
-          'with the same command to resume from the latest.', file=sys.stderr, flush=True)
-    # Not a normal exit: JAX's shutdown would wait on the lost process, then abort.
-    os._exit(1)  # pylint: disable=protected-access
+    if devices.lost_process(e):  # Checked first: a peer's loss can break a save too.
+      _stop_job(e if isinstance(e, devices.LostProcessError) else
+                devices.lost_process_error(str(e)), workdir)
+    if isinstance(e, train.USER_ERRORS):  # Their message says what is wrong and what to do.
+      _say(f'{type(e).__name__}: {e}')
+      return 1
+    if isinstance(e, preemption.Preempted):
+      _say(f'{e.label}: {e}')
+      return e.exit_code
+    raise
   except KeyboardInterrupt:  # Ctrl-C before training's first step: nothing to save.
     print('Interrupted before training started; no checkpoint was written by this run.',
           file=sys.stderr)

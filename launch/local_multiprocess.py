@@ -1,15 +1,19 @@
 r"""Runs `python -m cht_jax.main` as N processes of one JAX job on this machine.
 
   python launch/local_multiprocess.py --num_processes=2 -- \
-      --config=configs/omniglot_t2.py:tiny --workdir=/tmp/two_processes
+      --config=configs/omniglot_t2.py:tiny --config.train.episodes_per_step=2 \
+      --workdir=/tmp/two_processes
 
 Started the way a cluster starts them (cf. launch/slurm.sbatch): the same
 command in every process, with --distributed, a coordinator on 127.0.0.1 at a
 free port, --num_processes=N and each its own --process_id; the CPU collectives
 go over Gloo. Each process gets --devices_per_process CPU devices (default:
-the machine's cores split evenly). SIGTERM and SIGINT are forwarded to every
-process; the first process to fail stops the others (after --grace_seconds),
-and its exit status is this launcher's.
+the machine's cores split evenly), and the episodes of a step are split over
+all of them: train.episodes_per_step must be a multiple of their total (2
+above). SIGTERM and SIGINT are forwarded to every process; the first process to
+fail stops the others (after --grace_seconds), and its exit status is this
+launcher's, as a shell gives it: 128 + N for a process killed by signal N (137
+for SIGKILL).
 """
 
 import argparse
@@ -42,6 +46,22 @@ def environment(devices_per_process: int) -> dict[str, str]:
               JAX_CPU_COLLECTIVES_IMPLEMENTATION='gloo')
 
 
+def shell_status(returncode: int) -> int:
+  """Popen's -N (killed by signal N) as a shell reports it, 128 + N; sys.exit(-9) would
+  give 247."""
+  return 128 - returncode if returncode < 0 else returncode
+
+
+def describe(returncode: int) -> str:
+  """'-9 (killed by SIGKILL)', or the status itself."""
+  if returncode >= 0:
+    return str(returncode)
+  try:
+    return f'{returncode} (killed by {signal.Signals(-returncode).name})'
+  except ValueError:
+    return f'{returncode} (killed by signal {-returncode})'
+
+
 def run(num_processes: int, main_flags: list[str], devices_per_process: int,
         grace_seconds: float = 30.0, poll_seconds: float = 0.2) -> int:
   """Starts the processes, waits for them; the first failure's exit status, else 0."""
@@ -62,17 +82,17 @@ def run(num_processes: int, main_flags: list[str], devices_per_process: int,
       if failure is None:
         failed = [p for p in processes if p.poll() not in (None, 0)]
         if failed:
-          failure, deadline = failed[0].returncode, time.time() + grace_seconds
+          failure, deadline = shell_status(failed[0].returncode), time.time() + grace_seconds
           print(f'local_multiprocess: process {processes.index(failed[0])} exited with '
-                f'{failure}; stopping the others within {grace_seconds:.0f} s.',
-                file=sys.stderr, flush=True)
+                f'{describe(failed[0].returncode)}; stopping the others within '
+                f'{grace_seconds:.0f} s; exit status {failure}.', file=sys.stderr, flush=True)
       if deadline is not None and time.time() > deadline:
         for p in processes:
           if p.poll() is None:
             p.kill()
       time.sleep(poll_seconds)
     codes = [p.returncode for p in processes]
-    return failure if failure is not None else next((c for c in codes if c), 0)
+    return failure if failure is not None else next((shell_status(c) for c in codes if c), 0)
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
