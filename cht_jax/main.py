@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import threading
+import traceback
 
 from absl import app
 from absl import flags
@@ -74,6 +75,53 @@ flags.DEFINE_integer('coordinator_timeout_seconds', 180, 'With --distributed: ho
 config_flags.DEFINE_config_file('config', None, 'A config file (see configs/).',
                                 lock_config=True)
 flags.mark_flags_as_required(['config'])
+
+
+class ConfigFileError(Exception):
+  """A config file raised, or did not compile, as it was loaded."""
+
+
+def _report_load_failures(load):
+  """Wraps the --config flag's loader: a failure becomes one ConfigFileError, which
+  `_parse_flags` prints in one line (absl would print its traceback)."""
+  def load_or_explain(argument: str):
+    try:
+      return load(argument)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ConfigFileError(_load_failure(argument.split(':', 1)[0], e)) from e
+  return load_or_explain
+
+
+def _load_failure(path: str, error: Exception) -> str:
+  """'The config file F, line N, failed to load: ValueError: ...'."""
+  # config_flags re-raises a ValueError or TypeError with the traceback as its text.
+  if 'Error whilst parsing config file' in str(error) and error.__context__ is not None:
+    error = error.__context__
+  if isinstance(error, SyntaxError):
+    where, line = error.filename, error.lineno
+  else:  # The innermost frame outside the libraries: the config file, or what it called.
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(('<', sys.prefix, sys.base_prefix))]
+    where, line = (frames[-1].filename, frames[-1].lineno) if frames else (path, None)
+  text = ' '.join((error.msg if isinstance(error, SyntaxError) else str(error)).split())
+  place = (f'{path}, line {line},' if os.path.abspath(where) == os.path.abspath(path) else
+           f'{path} (at {where}, line {line})')
+  return (f'The config file {place} failed to load: {type(error).__name__}: {text} '
+          '(--verbosity=1 for the full traceback)')
+
+
+FLAGS['config'].parser.parse = _report_load_failures(FLAGS['config'].parser.parse)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """config_validation's flag parsing, and a config file that fails to load in one line."""
+  try:
+    return config_validation.flags_parser(argv)
+  except ConfigFileError as e:
+    if any(re.fullmatch(r'--?v(erbosity)?=[1-9]\d*', arg) for arg in argv):
+      traceback.print_exception(e.__cause__)
+    print(f'ConfigError: {e}', file=sys.stderr)
+    sys.exit(1)
 
 
 def default_workdir(config_flag: str) -> str:
@@ -158,4 +206,4 @@ def main(argv):
 
 if __name__ == '__main__':
   jax.config.config_with_absl()
-  app.run(main, flags_parser=config_validation.flags_parser)
+  app.run(main, flags_parser=_parse_flags)
