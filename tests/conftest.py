@@ -10,10 +10,26 @@ a few training steps). An accuracy moves by whole queries: a rounding-level
 flip of one argmax is the tolerance there.
 """
 
+import atexit
+import os
 import pathlib
+import shutil
+import tempfile
 import time
 
-import jax
+# One persistent XLA compilation cache for the whole run, set before JAX is
+# imported so that this process and every subprocess a test starts (they
+# inherit the environment) compile a given program once: most tests compile
+# the same tiny configs. A per-run folder, removed at exit, so that no stale
+# entry outlives a change of JAX or of the code.
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  _XLA_CACHE = tempfile.mkdtemp(prefix='cht_jax_tests_xla_cache_')
+  atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _XLA_CACHE
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
+
+import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp
 import numpy as np
 import pytest

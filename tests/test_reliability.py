@@ -40,17 +40,9 @@ OVERRIDES = ('--config.train.checkpoint_every_steps=4', '--config.train.log_ever
 
 
 @pytest.fixture(scope='module')
-def env(request, tmp_path_factory):
-  """Environment of the subprocesses: one persistent compilation cache for all.
-
-  It lives in pytest's cache folder (kept between sessions) when there is one:
-  JAX keys its entries by program and versions.
-  """
-  cache = getattr(request.config, 'cache', None)
-  folder = cache.mkdir('jax_compilation_cache') if cache else tmp_path_factory.mktemp('jax')
-  return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(folder),
-              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1')
+def env():
+  """Environment of the subprocesses: conftest's compilation cache, shared by all."""
+  return dict(os.environ)
 
 
 @pytest.fixture(scope='module')
