@@ -62,13 +62,15 @@ class TrainState:
 def learning_rate_schedule(optim: ml_collections.ConfigDict) -> optax.Schedule:
   """`optim.schedule` after `optim.warmup_steps` of linear warmup from 0.
 
-  'exponential' (the paper's): lr * decay_rate ** floor(step / decay_steps).
+  'exponential' (the paper's): lr * decay_rate ** (step / decay_steps), continuous,
+    as `tf.train.exponential_decay` in the original HT (hypertransformer/tf/train.py,
+    `make_optimizer`); the paper (Experiments) does not say staircase.
   'cosine': lr, cosine-annealed to lr * end_fraction over decay_steps steps.
   """
   if optim.schedule == 'exponential':
     decay = optax.exponential_decay(
         optim.learning_rate, transition_steps=optim.decay_steps,
-        decay_rate=optim.decay_rate, staircase=True)
+        decay_rate=optim.decay_rate, staircase=False)
   elif optim.schedule == 'cosine':
     decay = optax.cosine_decay_schedule(
         optim.learning_rate, decay_steps=max(optim.decay_steps - optim.warmup_steps, 1),
