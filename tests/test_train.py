@@ -60,8 +60,9 @@ def test_optimizers_and_schedule(name):
   config = tiny_config(**{'optim.name': name, 'optim.learning_rate': 0.1,
                           'optim.decay_steps': 10, 'optim.decay_rate': 0.5})
   schedule = train.learning_rate_schedule(config.optim)
+  # Continuous decay, as tf.train.exponential_decay in the original HT: 0.1 * 0.5**(s / 10).
   np.testing.assert_allclose([schedule(0), schedule(9), schedule(10), schedule(25)],
-                             [0.1, 0.1, 0.05, 0.025], rtol=1e-6)
+                             [0.1, 0.1 * 0.5**0.9, 0.05, 0.1 * 0.5**2.5], rtol=1e-6)
   assert train.make_optimizer(config.optim) is not None
 
 
