@@ -406,7 +406,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   """
   method = methods.build(config, None if dataset is None else len(dataset['train']))
   params, step = restore_params(workdir, config, step, method)
-  reports.check_writable(workdir)  # Before the evaluation, not after it.
+  if jax.process_index() == 0:  # The one writer of the results (below), checked first.
+    reports.check_writable(workdir)
   protocol = default_protocol(config, **protocol_overrides)
   class_images = None if dataset is None else dataset[protocol.split]
   domain_sizes = () if dataset is None else dataset.get('domain_sizes', {}).get(protocol.split, ())

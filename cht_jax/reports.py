@@ -8,6 +8,7 @@ the complete results of an earlier evaluation, never a truncated one.
 
 import json
 import os
+import socket
 from typing import Any
 
 import numpy as np
@@ -177,8 +178,10 @@ def check_writable(workdir: str) -> str:
   folder = os.path.join(os.path.abspath(workdir), 'eval')
   try:
     os.makedirs(folder, exist_ok=True)
-    workdir_lib.write_atomically(os.path.join(folder, '.write_test'), 'ok\n')
-    os.remove(os.path.join(folder, '.write_test'))
+    # A name of this process's own: the processes of a job may share the folder.
+    probe = os.path.join(folder, f'.write_test.{socket.gethostname()}.{os.getpid()}')
+    workdir_lib.write_atomically(probe, 'ok\n')
+    os.remove(probe)
   except OSError as e:
     raise ReportError(
         f'Cannot write the evaluation results to {folder} ({_reason(e)}). Free disk space '
