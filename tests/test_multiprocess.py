@@ -80,8 +80,10 @@ def test_two_processes_train_and_evaluate_as_one(tmp_path, prepared_omniglot, en
     assert results['two']['table'][setting] == results['one']['table'][setting]
 
 
-def test_sigterm_stops_both_at_one_step_and_they_resume_from_it(tmp_path, prepared_omniglot,
-                                                                 env):
+def test_sigterm_then_a_lost_process_then_resume(tmp_path, prepared_omniglot, env):
+  """One job through three lives: SIGTERM stops both processes at one agreed step; the
+  resumed job loses process 1 to SIGKILL and process 0 stops by itself, naming it; the
+  job restarted once more resumes from the latest complete checkpoint, nothing lost."""
   workdir, log_path = str(tmp_path / 'work'), str(tmp_path / 'work.log')
   process = launch(env, log_path, workdir, prepared_omniglot, '--config.train.num_steps=500')
   logged = lambda: os.path.exists(os.path.join(workdir, 'metrics.jsonl')) and len(
@@ -95,20 +97,13 @@ def test_sigterm_stops_both_at_one_step_and_they_resume_from_it(tmp_path, prepar
   step = int(lines[0].split('after step ')[1].split(',')[0])
   assert complete_steps(workdir)[-1] == step
 
-  rc, log = finish(launch(env, log_path, workdir, prepared_omniglot,
-                          f'--config.train.num_steps={step + 2}'), log_path)
-  assert rc == 0, log[-3000:]
-  assert log.count(f'Resuming from the checkpoint of step {step}') == 2
-  assert [r['step'] for r in train_rows(workdir)] == list(range(1, step + 3))
-
-
-def test_a_lost_process_stops_the_other_with_its_name(tmp_path, prepared_omniglot, env):
-  workdir, log_path = str(tmp_path / 'work'), str(tmp_path / 'work.log')
   # The launcher would stop the survivor after 300 s: it must stop by itself before.
   process = launch(env, log_path, workdir, prepared_omniglot, '--config.train.num_steps=500',
                    '--heartbeat_timeout_seconds=10', grace_seconds=300)
-  saved = lambda: len(complete_steps(workdir)) >= 2  # One complete, whatever is in flight.
+  saved = lambda: len([s for s in complete_steps(workdir) if s > step]) >= 2
   assert wait_for(saved, process, timeout=300), finish(process, log_path)[1][-3000:]
+  with open(log_path) as f:
+    assert f.read().count(f'Resuming from the checkpoint of step {step}') == 2
   children = subprocess.run(['pgrep', '-P', str(process.pid), '-f', 'process_id=1'],
                             capture_output=True, text=True).stdout.split()
   assert len(children) == 1
@@ -132,9 +127,10 @@ def test_a_lost_process_stops_the_other_with_its_name(tmp_path, prepared_omniglo
   manager.close()
   # Both gone now: restarted, both resume from the latest complete checkpoint.
   rc, log = finish(launch(env, log_path, workdir, prepared_omniglot,
-                          f'--config.train.num_steps={steps[-1] + 1}'), log_path)
+                          f'--config.train.num_steps={steps[-1] + 2}'), log_path)
   assert rc == 0, log[-3000:]
   assert log.count(f'Resuming from the checkpoint of step {steps[-1]}') == 2
+  assert [r['step'] for r in train_rows(workdir)] == list(range(1, steps[-1] + 3))
 
 
 STUB = '''#!/bin/bash
