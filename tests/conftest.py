@@ -11,6 +11,7 @@ flip of one argmax is the tolerance there.
 """
 
 import atexit
+import fcntl
 import os
 import pathlib
 import shutil
@@ -18,16 +19,21 @@ import tempfile
 import time
 
 # One persistent XLA compilation cache for the whole run, set before JAX is
-# imported so that this process and every subprocess a test starts (they
-# inherit the environment) compile a given program once: most tests compile
-# the same tiny configs. A per-run folder, removed at exit, so that no stale
-# entry outlives a change of JAX or of the code.
+# imported so that this process and every process started after it compile a
+# given program once: most tests compile the same tiny configs. That includes
+# the subprocesses tests start and pytest-xdist's workers (they inherit the
+# environment of the process that loaded this file first, which alone makes
+# and removes the folder). A per-run folder, so that no stale entry outlives a
+# change of JAX or of the code.
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   _XLA_CACHE = tempfile.mkdtemp(prefix='cht_jax_tests_xla_cache_')
   atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
   os.environ['JAX_COMPILATION_CACHE_DIR'] = _XLA_CACHE
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
+# On a GPU host the suite runs several JAX processes at once (workers, subprocesses):
+# none may take most of the memory up front, as JAX does by default.
+os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
 
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp
@@ -111,11 +117,23 @@ def require_archives():
 
 @pytest.fixture(scope='session')
 def prepared_omniglot(tmp_path_factory):
-  """A TFDS data_dir with omniglot prepared from the real archives (once per session)."""
+  """A TFDS data_dir with omniglot prepared from the real archives, once per run.
+
+  Under pytest-xdist the workers share it: the first prepares it, under a lock,
+  in the run's base folder (the parent of each worker's own).
+  """
   require_archives()
   tfds.disable_progress_bar()
-  data_dir = str(tmp_path_factory.mktemp('tfds'))
-  start = time.time()
-  omniglot.prepare_omniglot(data_dir, str(OMNIGLOT_ARCHIVES))
-  print(f'\nTFDS omniglot preparation: {time.time() - start:.1f} s')
-  return data_dir
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    root = root.parent
+  data_dir = root / 'tfds_omniglot'
+  with open(root / 'tfds_omniglot.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (data_dir / '.prepared').exists():
+      data_dir.mkdir(exist_ok=True)
+      start = time.time()
+      omniglot.prepare_omniglot(str(data_dir), str(OMNIGLOT_ARCHIVES))
+      (data_dir / '.prepared').touch()
+      print(f'\nTFDS omniglot preparation: {time.time() - start:.1f} s')
+  return str(data_dir)
