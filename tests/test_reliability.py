@@ -339,8 +339,9 @@ def test_a_loss_spike_rolls_back_and_lowers_the_learning_rate(tmp_path, monkeypa
   train_rows = [row for row in rows if row['split'] == 'train']
   assert [row['step'] for row in train_rows] == list(range(2, 25, 2))  # Step 16's row dropped.
   rate = {row['step']: row['train/learning_rate'] for row in train_rows}
-  assert all(rate[s] == pytest.approx(1e-3) for s in range(2, 13, 2))
-  assert all(rate[s] == pytest.approx(5e-4) for s in range(14, 25, 2))
+  # The paper's schedule decays continuously (0.97 per 100k steps): a few 1e-6 here.
+  assert all(rate[s] == pytest.approx(1e-3, rel=1e-5) for s in range(2, 13, 2))
+  assert all(rate[s] == pytest.approx(5e-4, rel=1e-5) for s in range(14, 25, 2))
   assert complete_steps(workdir) == [4, 8, 12, 16, 20, 24]  # 16 rewritten after the rollback.
 
   # Up to the step rolled back to, the run is an unspiked one, bit for bit (the same
@@ -359,7 +360,7 @@ def test_a_loss_spike_rolls_back_and_lowers_the_learning_rate(tmp_path, monkeypa
   train.train_and_evaluate(tiny_config(**{**settings, 'train.num_steps': 28,
                                           'train.loss_spike_factor': 3.0}), workdir, dataset)
   resumed = [row for row in metrics(workdir) if row['split'] == 'train' and row['step'] > 24]
-  assert [row['train/learning_rate'] for row in resumed] == pytest.approx([5e-4, 5e-4])
+  assert [row['train/learning_rate'] for row in resumed] == pytest.approx([5e-4, 5e-4], rel=1e-5)
 
 
 def test_a_stop_at_a_loss_spike_keeps_the_rolled_back_state(tmp_path, monkeypatch):
