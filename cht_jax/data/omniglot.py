@@ -550,15 +550,9 @@ def load_omniglot(
     # Read before TFDS is imported: training and evaluation from a prepared
     # cache need neither TensorFlow nor TFDS (GPU images often lack them).
     cache = _cache_path(_data_dir_root(data_dir), split_scheme, split_seed, image_size)
-    if os.path.exists(cache):
-      try:
-        with np.load(cache) as f:
-          out = {s: f[s] for s in SPLITS}
-        logging.info('Omniglot loaded from cache %s.', cache)
-        return out
-      except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
-        logging.warning('Rebuilding the unreadable cache %s (%s: %s).', cache,
-                        type(e).__name__, e)
+    out = _read_cache(cache, 'Omniglot')
+    if out is not None:
+      return out
 
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   builder = tfds.builder('omniglot', data_dir=data_dir)
@@ -591,20 +585,29 @@ def load_omniglot(
   return out
 
 
+def _read_cache(cache: str, what: str) -> dict[str, np.ndarray] | None:
+  """The splits of a cache file; None where it is missing or unreadable (then rebuilt)."""
+  if not os.path.exists(cache):
+    return None
+  try:
+    with np.load(cache) as f:
+      out = {s: f[s] for s in SPLITS}
+  except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
+    logging.warning('Rebuilding the unreadable cache %s (%s: %s).', cache,
+                    type(e).__name__, e)
+    return None
+  logging.info('%s loaded from cache %s.', what, cache)
+  return out
+
+
 def _load_binarized(data_dir, manual_dir, split_scheme, split_seed, image_size,
                     images_per_class, allow_incomplete_classes, use_cache):
   """`load_omniglot(..., binarize=True)`: its own cache, else the grey images binarised."""
   cache = _cache_path(_data_dir_root(data_dir), split_scheme, split_seed, image_size,
                       binarize=True)
-  if use_cache and os.path.exists(cache):
-    try:
-      with np.load(cache) as f:
-        out = {s: f[s] for s in SPLITS}
-      logging.info('Binarised Omniglot loaded from cache %s.', cache)
-      return out
-    except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
-      logging.warning('Rebuilding the unreadable cache %s (%s: %s).', cache,
-                      type(e).__name__, e)
+  out = _read_cache(cache, 'Binarised Omniglot') if use_cache else None
+  if out is not None:
+    return out
   grey = load_omniglot(data_dir, manual_dir, split_scheme, split_seed, image_size,
                        images_per_class, allow_incomplete_classes)
   out = {s: binarize_images(grey[s]) for s in SPLITS}
