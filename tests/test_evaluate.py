@@ -418,8 +418,10 @@ def run_eval(workdir, data_dir, *flags):
 
 
 def _example(name):
-  """The module examples/<name>.py (examples/ is scripts, not a package)."""
-  spec = importlib.util.spec_from_file_location(name, REPO_ROOT / 'examples' / f'{name}.py')
+  """The module examples/<name>.py or diagnostics/<name>.py (scripts, not packages)."""
+  path = REPO_ROOT / 'examples' / f'{name}.py'
+  path = path if path.exists() else REPO_ROOT / 'diagnostics' / f'{name}.py'
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

@@ -1,6 +1,6 @@
 r"""How much do a trained CHT's generated weights depend on the task?
 
-  python examples/task_specificity.py --workdir=workdirs/omniglot_t2 [--num_pairs=200]
+  python diagnostics/task_specificity.py --workdir=workdirs/omniglot_t2 [--num_pairs=200]
 
 A HyperTransformer can lower its loss by writing the same CNN for every task (a
 ConstPN, with the support set used only for the prototypes) before it learns to
@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# examples/ holds generate_weights (the shared loading and task sampling); the root, cht_jax.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'examples'))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from cht_jax import api  # pylint: disable=g-import-not-at-top
 from cht_jax import losses  # pylint: disable=g-import-not-at-top

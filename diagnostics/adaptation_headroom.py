@@ -1,8 +1,8 @@
 r"""How much could per-task weights add to a trained CHT's generated CNN?
 
-  python examples/adaptation_headroom.py --workdir=workdirs/omniglot_t2 [--num_tasks=40]
+  python diagnostics/adaptation_headroom.py --workdir=workdirs/omniglot_t2 [--num_tasks=40]
 
-An oracle around the trained model, for the question examples/task_specificity.py
+An oracle around the trained model, for the question diagnostics/task_specificity.py
 leaves open: when the generated CNN is the same for every task, how much does that
 cost? On tasks of Omniglot test classes, theta_0 is generated as usual from one image
 per class, and every variant is scored on the same held-out images of those classes:
@@ -32,7 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+# This folder holds task_specificity, examples/ generate_weights, the root cht_jax.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'examples'))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from cht_jax import api  # pylint: disable=g-import-not-at-top
 import generate_weights  # pylint: disable=g-import-not-at-top
