@@ -44,7 +44,7 @@ from cht_jax.models import transformer
 # The first three train on an episode loss; the others by gradient steps on each task.
 EPISODE_LOSS_METHODS = ('cht', 'constpn', 'merged_ht')
 METHODS = EPISODE_LOSS_METHODS + ('finetune', 'ewc', 'maml')
-OPTIMIZERS = ('sgd', 'momentum', 'adam', 'adamw', 'lamb')
+OPTIMIZERS = ('sgd', 'momentum', 'adam', 'adamw')
 SCHEDULES = ('exponential', 'cosine')
 ON_DIVERGENCE = ('stop', 'skip')
 
@@ -180,7 +180,6 @@ SCHEMA: dict[str, Check] = {
     'model.remat': _remat,
     'model.vectorize': _choice(continual.VECTORIZE_OPTIONS),
     'loss': _choice(losses.LOSSES),
-    'label_smoothing': _number(0, inclusive=True, maximum=1),
     'method': _choice(METHODS),
     'constpn_ways_multiplier': _integer(1),
     'optim.name': _choice(OPTIMIZERS),
@@ -188,7 +187,6 @@ SCHEMA: dict[str, Check] = {
     'optim.decay_rate': _number(0),
     'optim.decay_steps': _integer(1),
     'optim.momentum': _number(0, inclusive=True, maximum=1),
-    'optim.beta2': _number(0, inclusive=True, maximum=1),
     'optim.schedule': _choice(SCHEDULES),
     'optim.warmup_steps': _integer(0),
     'optim.end_fraction': _number(0, inclusive=True, maximum=1),
@@ -196,7 +194,6 @@ SCHEMA: dict[str, Check] = {
     'optim.grad_clip_norm': _number(0, inclusive=True),
     'train.num_steps': _integer(1),
     'train.episodes_per_step': _integer(1),
-    'train.curriculum_steps': _integer(0),
     'train.log_every_steps': _integer(1),
     'train.checkpoint_every_steps': _integer(1),
     'train.keep_checkpoints': _integer(1),
@@ -420,21 +417,6 @@ def _method_problems(c: ml_collections.ConfigDict) -> list[str]:
         f'episode.unlabeled_per_class = {c.episode.unlabeled_per_class}: unlabeled support '
         f"images reach the HyperTransformer of method = 'cht' only, not method = "
         f"{c.method!r}; set episode.unlabeled_per_class = 0.")
-  if c.train.curriculum_steps and (c.method != 'cht' or c.data.pipeline == 'host'):
-    problems.append(
-        f'train.curriculum_steps = {c.train.curriculum_steps}: episodes of fewer tasks '
-        f"first are sampled on device for method = 'cht' only, not method = {c.method!r} "
-        f'with data.pipeline = {c.data.pipeline!r}; set train.curriculum_steps = 0.')
-  elif c.train.curriculum_steps >= c.train.num_steps:
-    problems.append(
-        f'train.curriculum_steps = {c.train.curriculum_steps} leaves no step of '
-        f'{c.episode.num_tasks}-task episodes in train.num_steps = {c.train.num_steps}: '
-        'it must be smaller.')
-  if c.method not in EPISODE_LOSS_METHODS and c.label_smoothing:
-    problems.append(
-        f'label_smoothing = {c.label_smoothing}: it smooths the episode loss of '
-        f"{', '.join(map(repr, EPISODE_LOSS_METHODS))}, not the gradient steps of "
-        f'method = {c.method!r}; set label_smoothing = 0.')
   return problems
 
 

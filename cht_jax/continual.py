@@ -163,7 +163,7 @@ def embed_queries(cnn: cnn_lib.CNN, thetas: Any, query_images: jax.Array,
 
 
 def pair_losses(loss: str, query_embeddings: jax.Array, query_labels: jax.Array,
-                prototypes: jax.Array, pairs: TaskPairs, label_smoothing: float = 0.0):
+                prototypes: jax.Array, pairs: TaskPairs):
   """Cross-entropy and accuracy of every (t, tau) pair.
 
   Args:
@@ -171,23 +171,20 @@ def pair_losses(loss: str, query_embeddings: jax.Array, query_labels: jax.Array,
     query_embeddings: [P, Q, D] from `embed_queries`.
     query_labels: [T, Q].
     prototypes: [T, K, D].
-    label_smoothing: see `losses.cross_entropy_and_accuracy` (0: the paper's loss).
 
   Returns:
     (cross_entropy [P], accuracy [P]), each the mean over the Q queries.
   """
   def one_pair(embeddings, t, tau):
     logits, offset = losses.pair_logits(loss, embeddings, prototypes, t, tau)
-    return losses.cross_entropy_and_accuracy(logits, query_labels[tau] + offset,
-                                             label_smoothing)
+    return losses.cross_entropy_and_accuracy(logits, query_labels[tau] + offset)
 
   return jax.vmap(one_pair)(query_embeddings, pairs.t, pairs.tau)
 
 
 def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
                  loss: str = 'class_incremental', remat: bool = True,
-                 vectorize: bool | None = None, unroll: bool = False,
-                 label_smoothing: float = 0.0):
+                 vectorize: bool | None = None, unroll: bool = False):
   """Algorithm 1 for one episode: sum over t of sum over tau <= t of L(Q(tau); theta_t).
 
   Each term is the mean over the queries of Q(tau) (as the original HT's
@@ -202,19 +199,18 @@ def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
       ht, ht_params, episode['support_images'], episode['support_labels'], remat=remat,
       unroll=unroll, unlabeled_images=episode.get('unlabeled_images'))
   pairs = TaskPairs.lower_triangle(episode['support_images'].shape[0])
-  return pairs_loss(ht.cnn, thetas, prototypes, episode, loss, pairs, remat, vectorize,
-                    label_smoothing)
+  return pairs_loss(ht.cnn, thetas, prototypes, episode, loss, pairs, remat, vectorize)
 
 
 def pairs_loss(cnn: cnn_lib.CNN, thetas: Any, prototypes: jax.Array, episode: Episode,
                loss: str, pairs: TaskPairs, remat: bool = True,
-               vectorize: bool | None = None, label_smoothing: float = 0.0):
+               vectorize: bool | None = None):
   """The sum over `pairs` of L(Q(tau); theta_t) given theta_0..theta_{T-1} (of the
   network `cnn`) and prototypes. Returns (loss, metrics) as `episode_loss`."""
   embeddings = embed_queries(cnn, thetas, episode['query_images'], pairs, remat=remat,
                              vectorize=vectorize)
   cross_entropy, accuracy = pair_losses(
-      loss, embeddings, episode['query_labels'], prototypes, pairs, label_smoothing)
+      loss, embeddings, episode['query_labels'], prototypes, pairs)
   final = pairs.t == episode['support_images'].shape[0] - 1
   metrics = {
       'loss': jnp.sum(cross_entropy),

@@ -27,8 +27,8 @@ WATCHED = {'loss': 'the loss', 'grad_norm': 'the gradient norm',
 
 # A log window is a loss spike when its mean training loss exceeds
 # train.loss_spike_factor x the lowest of up to SPIKE_REFERENCE_WINDOWS earlier
-# healthy windows (at least SPIKE_MIN_WINDOWS of them, none from before a change
-# of the episodes' task count). The lowest, not the median: while the loss still
+# healthy windows (at least SPIKE_MIN_WINDOWS of them, none from before one of
+# `LossSpikes`'s reset steps). The lowest, not the median: while the loss still
 # falls fast, the median lags behind it (the first jump of a collapse at lr 5e-3,
 # 4.5 -> 6.0, was 1.07x the median of the five windows before, 1.32x their lowest).
 SPIKE_REFERENCE_WINDOWS = 5
@@ -94,7 +94,7 @@ class LossSpikes:
 
   def __init__(self, factor: float, reset_steps=()):
     """`factor` 0 never reports a spike; `reset_steps`: steps from which the
-    loss has a new scale (the curriculum's switches to more tasks)."""
+    loss has a new scale (training passes none)."""
     self._factor = factor
     self._reset_steps = sorted(reset_steps)
     self._healthy = []  # (last step, mean loss) of the windows that were not spikes.

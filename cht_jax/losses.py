@@ -71,20 +71,9 @@ def pair_logits(loss: str, embeddings, prototypes, t, tau):
   raise ValueError(f'Unknown loss {loss!r}; expected one of {LOSSES}.')
 
 
-def cross_entropy_and_accuracy(logits: jax.Array, targets: jax.Array,
-                               label_smoothing: float = 0.0):
-  """Mean softmax cross-entropy and accuracy: [Q, M] logits, [Q] int targets.
-
-  With `label_smoothing` eps > 0 (a training option of the ':fast' recipe's
-  levers, not the paper's), the target puts 1 - eps on the label and eps spread
-  evenly over the classes that are not masked out (`MASKED_LOGIT`): the
-  classes of tasks not yet seen get none of it.
-  """
+def cross_entropy_and_accuracy(logits: jax.Array, targets: jax.Array):
+  """Mean softmax cross-entropy and accuracy: [Q, M] logits, [Q] int targets."""
   log_probs = jax.nn.log_softmax(logits, axis=-1)
   nll = -jnp.take_along_axis(log_probs, targets[:, None], axis=-1)[:, 0]
-  if label_smoothing:
-    valid = logits > MASKED_LOGIT / 2
-    uniform_nll = -jnp.sum(jnp.where(valid, log_probs, 0.0), axis=-1) / valid.sum(axis=-1)
-    nll = (1.0 - label_smoothing) * nll + label_smoothing * uniform_nll
   accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == targets)
   return jnp.mean(nll), accuracy

@@ -24,7 +24,7 @@ Reliability (docs/reliability.md):
 
 import collections
 import time
-from typing import Any, Sequence
+from typing import Any
 
 from absl import logging
 import flax
@@ -36,7 +36,6 @@ import optax
 
 from cht_jax import checkpoints
 from cht_jax import config_validation
-from cht_jax import curriculum
 from cht_jax import devices
 from cht_jax import divergence
 from cht_jax import evaluate
@@ -93,11 +92,9 @@ def make_optimizer(optim: ml_collections.ConfigDict,
   elif optim.name == 'momentum':
     optimizer = optax.sgd(schedule, momentum=optim.momentum)
   elif optim.name == 'adam':
-    optimizer = optax.adam(schedule, b2=optim.beta2)
+    optimizer = optax.adam(schedule)
   elif optim.name == 'adamw':
-    optimizer = optax.adamw(schedule, b2=optim.beta2, weight_decay=optim.weight_decay)
-  elif optim.name == 'lamb':
-    optimizer = optax.lamb(schedule, b2=optim.beta2, weight_decay=optim.weight_decay)
+    optimizer = optax.adamw(schedule, weight_decay=optim.weight_decay)
   else:
     raise ValueError(f'Unknown optim.name {optim.name!r}; expected one of '
                      f'{config_validation.OPTIMIZERS}.')
@@ -107,31 +104,9 @@ def make_optimizer(optim: ml_collections.ConfigDict,
 
 
 def method_schedule(method: methods.Method) -> optax.Schedule:
-  """The method's learning-rate schedule, else the paper's (`learning_rate_schedule`),
-  its warmup restarted where a curriculum adds tasks (`rewarmed`)."""
+  """The method's learning-rate schedule, else the paper's (`learning_rate_schedule`)."""
   optim = method.config.optim
-  schedule = method.learning_rate(optim) or learning_rate_schedule(optim)
-  return rewarmed(schedule, curriculum.switch_steps(method.config), optim.warmup_steps)
-
-
-def rewarmed(schedule: optax.Schedule, switch_steps: Sequence[int],
-             warmup_steps: int) -> optax.Schedule:
-  """`schedule` times a linear ramp over `warmup_steps` steps from each switch step.
-
-  Adam's second moments, adapted to the smaller gradients of episodes of fewer tasks,
-  make the first steps on more tasks large: a T=2 run collapsed there without this
-  (docs/recipe.md, section 6).
-  """
-  if not switch_steps or not warmup_steps:
-    return schedule
-  switches = jnp.asarray(switch_steps)
-
-  def schedule_fn(count):
-    step = count + 1  # optax counts the updates before this one.
-    last = jnp.max(jnp.where(switches <= step, switches, 0))
-    ramp = jnp.where(last > 0, jnp.clip((step - last + 1) / warmup_steps, 0.0, 1.0), 1.0)
-    return schedule(count) * ramp
-  return schedule_fn
+  return method.learning_rate(optim) or learning_rate_schedule(optim)
 
 
 def method_optimizer(method: methods.Method) -> optax.GradientTransformation:
@@ -434,7 +409,7 @@ class _Rollbacks:
   def __init__(self, config, log, first_step: int):
     self._log = log
     factor = config.train.get('loss_spike_factor', 0.0)  # Absent from older runs' config.json.
-    self._spikes = divergence.LossSpikes(factor, curriculum.switch_steps(config))
+    self._spikes = divergence.LossSpikes(factor)
     self._enabled = bool(factor)
     rows = [r for r in log.rows('rollback') if r['step'] <= first_step]
     self._count = len(rows)

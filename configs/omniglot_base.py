@@ -129,8 +129,6 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.model.vectorize = 'auto'
 
   config.loss = 'class_incremental'  # or 'task_incremental', 'cross_entropy'.
-  # Training only: 1 - eps on the label, eps over the other seen classes (0 = the paper).
-  config.label_smoothing = 0.0
   # What makes the CNN's weights (cht_jax/methods/): 'cht', or the baselines
   # 'constpn' (trained CNN, prototypical network) and 'merged_ht' (one HT over
   # the T tasks merged into one K*T-way task), or the Table 1 baselines trained
@@ -146,18 +144,13 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.optim.decay_steps = 100_000  # ... per this many steps; 'cosine': its length.
   config.optim.end_fraction = 0.0  # 'cosine' ends at learning_rate * end_fraction.
   config.optim.warmup_steps = 0  # Linear warmup from 0 before the schedule.
-  config.optim.weight_decay = 0.0  # Only for 'adamw' and 'lamb'.
+  config.optim.weight_decay = 0.0  # Only for 'adamw'.
   config.optim.momentum = 0.9  # Only for 'momentum'.
-  config.optim.beta2 = 0.999  # Second-moment decay of 'adam', 'adamw', 'lamb' (optax's default).
   config.optim.grad_clip_norm = 0.0  # 0 = no clipping.
 
   config.train = ml_collections.ConfigDict()
   config.train.num_steps = 4_000_000
   config.train.episodes_per_step = 1
-  # Not the paper's: > 0 trains the first this many steps on episodes of fewer tasks
-  # (1, 2, ..., T-1 in equal parts; cheaper steps), then on T tasks; each switch
-  # restarts the optim.warmup_steps warmup (cht_jax/curriculum.py, docs/recipe.md).
-  config.train.curriculum_steps = 0
   config.train.log_every_steps = 1000
   config.train.checkpoint_every_steps = 10_000
   config.train.keep_checkpoints = 3

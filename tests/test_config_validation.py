@@ -37,7 +37,7 @@ def test_shipped_configs_are_valid(num_tasks, variant):
     ('model.conv_impl', 'fft', "one of ('auto', 'patches', 'lax', 'taps', 'fused_cpu')"),
     ('model.remat', 'sometimes', "one of ('auto', True, False)"),
     ('loss', 'hinge', "one of ('class_incremental', 'task_incremental', 'cross_entropy')"),
-    ('optim.name', 'lbfgs', "one of ('sgd', 'momentum', 'adam', 'adamw', 'lamb')"),
+    ('optim.name', 'lbfgs', "one of ('sgd', 'momentum', 'adam', 'adamw')"),
     ('optim.learning_rate', float('nan'), 'a finite number > 0'),
     ('optim.momentum', 1.0, 'a finite number >= 0 and < 1'),
     ('data.split_scheme', 'random', "one of ('ht', 'alphabet')"),

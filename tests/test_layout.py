@@ -10,7 +10,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / 'cht_jax'
 # Each group may import only groups listed before it (and itself).
 FLOORS = (
     ('kernels', 'models', 'data', 'losses', 'metrics', 'devices'),  # The math and the data.
-    ('continual', 'curriculum', 'config_validation'),
+    ('continual', 'config_validation'),
     ('checkpoints', 'workdir', 'preemption', 'divergence', 'reports', 'plots',
      'profiling'),  # Infrastructure.
     ('baselines', 'methods'),  # What produces theta_t.

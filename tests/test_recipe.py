@@ -1,23 +1,16 @@
 """The ':fast' recipe's levers (issue 16): head scale, schedules, optimisers, the variant."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from cht_jax import config_validation
 from cht_jax import continual
-from cht_jax import curriculum
-from cht_jax import devices
-from cht_jax import losses
-from cht_jax import methods
 from cht_jax import models
 from cht_jax import train
 from cht_jax.models import hypertransformer as ht_lib
-from conftest import class_images, make_episode, override, tiny_config
+from conftest import make_episode, override, tiny_config
 
 
 def _init(config, episode):
@@ -171,38 +164,13 @@ def test_warmup_before_the_papers_schedule():
                              [0.0, 0.05, 0.1, 0.05], rtol=1e-6)
 
 
-@pytest.mark.parametrize('name', ['adamw', 'lamb'])
-def test_more_optimizers_take_steps(name):
-  config = tiny_config(**{'optim.name': name, 'optim.weight_decay': 1e-4})
+def test_adamw_takes_steps():
+  config = tiny_config(**{'optim.name': 'adamw', 'optim.weight_decay': 1e-4})
   optimizer = train.make_optimizer(config.optim)
   params = {'w': jnp.ones(3)}
   state = optimizer.init(params)
   updates, _ = optimizer.update({'w': jnp.array([1.0, -1.0, 0.5])}, state, params)
   assert np.all(np.isfinite(updates['w'])) and float(jnp.abs(updates['w']).sum()) > 0
-
-
-@pytest.mark.parametrize('name', ['adam', 'adamw', 'lamb'])
-def test_beta2_reaches_the_adam_family(name):
-  """optim.beta2 sets the second-moment decay: the second update equals optax's with that b2."""
-  params = {'w': jnp.array([1.0, -2.0, 0.5])}
-  grads = [{'w': jnp.array([1.0, -1.0, 0.5])}, {'w': jnp.array([-3.0, 0.2, 0.5])}]
-  reference = {'adam': optax.adam, 'adamw': optax.adamw, 'lamb': optax.lamb}[name]
-
-  def second_update(optimizer):
-    state = optimizer.init(params)
-    for g in grads:
-      updates, state = optimizer.update(g, state, params)
-    return updates['w']
-
-  results = {}
-  for beta2 in (0.999, 0.9):
-    config = tiny_config(**{'optim.name': name, 'optim.beta2': beta2,
-                            'optim.learning_rate': 0.1, 'optim.weight_decay': 1e-4})
-    results[beta2] = second_update(train.make_optimizer(config.optim))
-    np.testing.assert_allclose(results[beta2], second_update(reference(
-        0.1, b2=beta2, weight_decay=1e-4) if name != 'adam' else reference(0.1, b2=beta2)),
-                               rtol=1e-6)
-  assert not np.allclose(results[0.999], results[0.9])
 
 
 def test_fast_variant_schedule_follows_a_num_steps_override():
@@ -234,124 +202,8 @@ def test_fast_variant_schedule_follows_a_num_steps_override():
     ('train.loss_spike_factor', 0.9, r'train.loss_spike_factor = 0.9: must be 0 \(off\) or '
      'a finite number > 1'),
     ('optim.name', 'adagrad', "optim.name = 'adagrad'"),
-    ('optim.beta2', 1.0, 'optim.beta2 = 1.0'),
-    ('label_smoothing', 1.0, 'label_smoothing = 1.0: must be a finite number >= 0 and < 1'),
-    ('method', 'maml', "label_smoothing = 0.1: it smooths the episode loss"),
 ])
 def test_recipe_config_mistakes_are_named(field, value, message):
-  config = tiny_config(**{'label_smoothing': 0.1, field: value})
+  config = tiny_config(**{field: value})
   with pytest.raises(config_validation.ConfigError, match=message):
     config_validation.validate(config, num_devices=1)
-
-
-def test_label_smoothing_spreads_eps_over_the_seen_classes_only():
-  rng = np.random.default_rng(0)
-  logits = rng.normal(size=(6, 10)).astype(np.float32) * 3
-  logits[:, 6:] = losses.MASKED_LOGIT  # Classes of tasks not seen yet.
-  targets = np.array([0, 5, 2, 3, 1, 4])
-  eps = 0.2
-  got, accuracy = losses.cross_entropy_and_accuracy(jnp.asarray(logits), jnp.asarray(targets),
-                                                    label_smoothing=eps)
-  seen = logits[:, :6].astype(np.float64)
-  log_p = seen - np.log(np.exp(seen).sum(axis=1, keepdims=True))
-  target = np.full((6, 6), eps / 6) + (1 - eps) * np.eye(6)[targets]
-  np.testing.assert_allclose(got, -(target * log_p).sum(axis=1).mean(), rtol=1e-5)
-  plain, plain_accuracy = losses.cross_entropy_and_accuracy(jnp.asarray(logits),
-                                                            jnp.asarray(targets))
-  np.testing.assert_allclose(plain, -log_p[np.arange(6), targets].mean(), rtol=1e-5)
-  assert accuracy == plain_accuracy  # Smoothing changes the loss, not the scores.
-
-
-def test_label_smoothing_reaches_the_training_step():
-  """config.label_smoothing changes the loss a training step differentiates."""
-  images = jnp.asarray(class_images())
-  results = {}
-  for eps in (0.0, 0.3):
-    config = config_validation.validate(tiny_config(**{'label_smoothing': eps}), num_devices=1)
-    method = methods.build(config)
-    params = method.init(jax.random.key(0))
-    results[eps] = jax.jit(lambda p, m=method: m.grads(p, images, jax.random.key(1),
-                                                        mesh=devices.data_mesh(1)))(params)
-  (grads_plain, plain), (grads_smooth, smooth) = results[0.0], results[0.3]
-  assert smooth['accuracy'] == plain['accuracy']  # The same episodes, the same scores ...
-  assert abs(float(smooth['loss']) - float(plain['loss'])) > 1e-3  # ... another loss.
-  assert optax.tree.norm(jax.tree.map(jnp.subtract, grads_plain, grads_smooth)) > 0
-
-
-def test_curriculum_tasks_grow_to_the_configs():
-  """train.curriculum_steps: 1, ..., T-1 tasks in equal parts of its steps, then T."""
-  config = tiny_config(**{'train.curriculum_steps': 4})
-  assert [curriculum.tasks_at(config, s) for s in range(1, 7)] == [1, 1, 1, 1, 2, 2]
-  config = tiny_config(**{'episode.num_tasks': 5, 'train.curriculum_steps': 8})
-  assert [curriculum.tasks_at(config, s) for s in range(1, 11)] == [1, 1, 2, 2, 3, 3, 4, 4,
-                                                                      5, 5]
-  assert {curriculum.tasks_at(tiny_config(), s) for s in range(1, 5)} == {2}  # Off.
-
-
-def test_a_curriculum_step_is_the_fewer_task_configs_step():
-  """A T=2 method's step on one-task episodes computes the T=1 config's step: the same
-  episodes, loss and gradient; its later steps train the two-task episodes."""
-  images = jnp.asarray(class_images())
-  two = methods.build(config_validation.validate(
-      tiny_config(**{'train.curriculum_steps': 3}), num_devices=1))
-  one = methods.build(config_validation.validate(
-      tiny_config(**{'episode.num_tasks': 1}), num_devices=1))
-  assert [two.step_variant(s) for s in (1, 3, 4)] == [((1,), ()), ((1,), ()), ((), ())]
-  assert one.step_variant(1) == ((), ())
-  params = two.init(jax.random.key(0))
-  grads = lambda method, variant: jax.jit(lambda p: method.grads(
-      p, images, jax.random.key(1), mesh=devices.data_mesh(1), variant=variant))(params)
-  (g_first, first), (g_one, single), (_, full) = (
-      grads(two, (1,)), grads(one, ()), grads(two, ()))
-  np.testing.assert_allclose(first['loss'], single['loss'], rtol=1e-6)
-  difference = optax.tree.norm(jax.tree.map(jnp.subtract, g_first, g_one))
-  assert float(difference) <= 1e-6 * float(optax.tree.norm(g_one))
-  assert abs(float(full['loss']) - float(first['loss'])) > 1e-3  # Three pairs, not one.
-
-
-def test_the_training_loop_switches_to_all_tasks_after_the_curriculum(tmp_path):
-  """One task per episode for the first steps (one pair, so its final accuracy is its
-  mean accuracy), then both: two compiled steps in one run."""
-  config = tiny_config(**{'train.num_steps': 6, 'train.curriculum_steps': 3,
-                          'train.log_every_steps': 1, 'train.eval_every_steps': 0,
-                          'train.checkpoint_every_steps': 6})
-  dataset = {'train': class_images(), 'validation': class_images(seed=1)}
-  train.train_and_evaluate(config, str(tmp_path / 'run'), dataset)
-  rows = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl')]
-  rows = {r['step']: r for r in rows if r['split'] == 'train'}
-  assert sorted(rows) == list(range(1, 7))
-  single = [rows[s]['train/accuracy'] == rows[s]['train/final_accuracy'] for s in range(1, 7)]
-  assert single[:3] == [True] * 3 and not all(single[3:]), rows
-
-
-def test_each_curriculum_switch_restarts_the_warmup():
-  """T=3, 4 curriculum steps: 1 task at steps 1-2, 2 at 3-4, then 3; a 2-step warmup
-  from 0 at the start and again from each switch (steps 3 and 5)."""
-  config = tiny_config(**{'episode.num_tasks': 3, 'train.curriculum_steps': 4,
-                          'train.num_steps': 20, 'optim.name': 'adam',
-                          'optim.learning_rate': 0.1, 'optim.schedule': 'cosine',
-                          'optim.decay_steps': 1000, 'optim.warmup_steps': 2})
-  assert curriculum.switch_steps(config) == [3, 5]
-  for num_tasks, steps in ((2, 4), (5, 8), (5, 3), (5, 1), (4, 10)):  # Where the count grows.
-    other = tiny_config(**{'episode.num_tasks': num_tasks, 'train.curriculum_steps': steps})
-    counts = [curriculum.tasks_at(other, s) for s in range(1, steps + 3)]
-    assert curriculum.switch_steps(other) == [
-        s for s in range(2, steps + 3) if counts[s - 1] != counts[s - 2]], (num_tasks, steps)
-  schedule = train.method_schedule(methods.build(config))
-  plain = train.learning_rate_schedule(config.optim)
-  # Step s (1-based) is update count s - 1; before the first switch, the plain schedule.
-  ramp = {1: 1.0, 2: 1.0, 3: 0.5, 4: 1.0, 5: 0.5, 6: 1.0, 7: 1.0}
-  for step, factor in ramp.items():
-    np.testing.assert_allclose(float(schedule(step - 1)), float(plain(step - 1)) * factor,
-                               rtol=1e-6, err_msg=step)
-  assert curriculum.switch_steps(tiny_config()) == []  # No curriculum: no switch ...
-  assert train.rewarmed(plain, [], 2) is plain  # ... and the schedule itself.
-
-
-@pytest.mark.parametrize('overrides, message', [
-    ({'train.curriculum_steps': 10, 'train.num_steps': 10}, 'leaves no step of 2-task'),
-    ({'train.curriculum_steps': 5, 'method': 'constpn'}, "for method = 'cht' only"),
-])
-def test_curriculum_mistakes_are_named(overrides, message):
-  with pytest.raises(config_validation.ConfigError, match=message):
-    config_validation.validate(tiny_config(**overrides), num_devices=1)

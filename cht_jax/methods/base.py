@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import ml_collections
 
 from cht_jax import continual
-from cht_jax import curriculum
 from cht_jax import devices
 from cht_jax.baselines import sequential
 from cht_jax.data import augment as augment_lib
@@ -84,21 +83,13 @@ class EpisodicMethod(Method):
   def training_spec(self, domain_sizes=()) -> episodes_lib.EpisodeSpec:
     return datasets.episode_spec(self.config, domain_sizes)
 
-  def step_variant(self, step: int):
-    """((num_tasks,), ()) while train.curriculum_steps trains episodes of fewer tasks,
-    then ((), ()): the training spec's episodes."""
-    num_tasks = curriculum.tasks_at(self.config, step)
-    return ((num_tasks,) if num_tasks < self.config.episode.num_tasks else ()), ()
-
   def grads(self, params, data, key, *, mesh, variant=(), inputs=(), domain_sizes=(),
             host=False):
     """Samples (or takes, with `host`) the step's episodes, augments them, and
     averages the episode loss's gradient over them, split over `mesh`."""
-    del inputs
+    del variant, inputs  # One compiled step throughout (`Method.step_variant`).
     config = self.config
     spec = self.training_spec(domain_sizes)
-    if variant:  # A curriculum step (step_variant).
-      spec = spec._replace(num_tasks=variant[0])
     if host:  # `data` is the step's episode batch.
       episodes = pipeline.device_episodes(data)
     else:
@@ -115,9 +106,8 @@ class EpisodicMethod(Method):
     episodes = jax.lax.with_sharding_constraint(episodes, jax.NamedSharding(mesh, jax.P('data')))
     vectorize = continual.vectorize_option(config.model.vectorize)
     remat = continual.remat_option(config.model.remat, vectorize, spec.num_tasks)
-    loss_fn = lambda p, episode: self.episode_loss(
-        p, episode, config.loss, remat, vectorize=vectorize,
-        label_smoothing=config.label_smoothing)
+    loss_fn = lambda p, episode: self.episode_loss(p, episode, config.loss, remat,
+                                                   vectorize=vectorize)
     return devices.batch_grads(loss_fn, params, episodes, mesh, vectorize)
 
   def episode_accuracies(self, params, episode, pairs: continual.TaskPairs,
@@ -195,14 +185,13 @@ def broadcast(tree: Any, num_tasks: int) -> Any:
 
 
 def loss_over_pairs(method, params, episode, loss: str, remat: bool,
-                    pairs: continual.TaskPairs, vectorize: bool | None = None,
-                    label_smoothing: float = 0.0):
+                    pairs: continual.TaskPairs, vectorize: bool | None = None):
   """`continual.episode_loss` with the thetas of `method` and the given pairs."""
   thetas, prototypes = method.thetas_and_prototypes(
       params, episode['support_images'], episode['support_labels'], remat=remat,
       **unlabeled_support(episode))
   return continual.pairs_loss(method.cnn, thetas, prototypes, episode, loss, pairs, remat,
-                              vectorize, label_smoothing)
+                              vectorize)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,10 +44,8 @@ class CHT(base.EpisodicMethod):
     return continual.generate_thetas(self.ht, params, support_images, support_labels,
                                      remat=remat, unlabeled_images=unlabeled_images)
 
-  def episode_loss(self, params, episode, loss, remat=True, vectorize=None,
-                   label_smoothing=0.0):
-    return continual.episode_loss(self.ht, params, episode, loss, remat, vectorize,
-                                  label_smoothing=label_smoothing)
+  def episode_loss(self, params, episode, loss, remat=True, vectorize=None):
+    return continual.episode_loss(self.ht, params, episode, loss, remat, vectorize)
 
 
 def init_hypertransformer(ht: ht_lib.HyperTransformer, key, config) -> Any:

@@ -52,9 +52,7 @@ class ConstPN(base.EpisodicMethod):
     prototypes = jax.vmap(task_prototypes)(support_images, support_labels)
     return base.broadcast(params, num_tasks), prototypes
 
-  def episode_loss(self, params, episode, loss, remat=True, vectorize=None,
-                   label_smoothing=0.0):
+  def episode_loss(self, params, episode, loss, remat=True, vectorize=None):
     """Sum over (t, tau <= t) as CHT's; training episodes have T=1 (a plain ProtoNet)."""
     pairs = continual.TaskPairs.lower_triangle(episode['support_images'].shape[0])
-    return base.loss_over_pairs(self, params, episode, loss, remat, pairs, vectorize,
-                                label_smoothing)
+    return base.loss_over_pairs(self, params, episode, loss, remat, pairs, vectorize)

@@ -73,11 +73,9 @@ class MergedHT(base.EpisodicMethod):
     prototypes = losses.class_prototypes(embeddings, labels, num_tasks * num_ways)
     return base.broadcast(theta, num_tasks), prototypes.reshape(num_tasks, num_ways, -1)
 
-  def episode_loss(self, params, episode, loss, remat=True, vectorize=None,
-                   label_smoothing=0.0):
+  def episode_loss(self, params, episode, loss, remat=True, vectorize=None):
     """Queries of every task tau scored over all K*T classes: pairs (T-1, tau)."""
     num_tasks = episode['support_images'].shape[0]
     pairs = continual.TaskPairs(t=np.full(num_tasks, num_tasks - 1, np.int32),
                                 tau=np.arange(num_tasks, dtype=np.int32))
-    return base.loss_over_pairs(self, params, episode, loss, remat, pairs, vectorize,
-                                label_smoothing)
+    return base.loss_over_pairs(self, params, episode, loss, remat, pairs, vectorize)
