@@ -296,30 +296,42 @@ def _remedy(task_classes: str, split: str) -> str:
   return remedy
 
 
+def nominal_split_classes(c: ml_collections.ConfigDict) -> dict[str, tuple[int, tuple[int, ...]]]:
+  """(classes, domain sizes) of the 'train', 'validation' and 'test' splits of
+  `data.dataset`, known from the config alone (no data is read).
+
+  Omniglot's split scheme, tieredImageNet's 351/97/160 (its standard split;
+  with data.check_class_counts=False the files may hold others), the nominal
+  class counts of the multi-domain datasets (classes with fewer than
+  data.images_per_class images are dropped when loading, so the real counts
+  may be lower; a domain without classes in a split is left out of it, as
+  multidomain.load_multidomain does).
+  """
+  data = c.data
+  if data.dataset == 'omniglot':
+    ids = omniglot.class_split(data.split_scheme, data.split_seed)
+    return {s: (len(ids[s]), ()) for s in ('train', 'validation', 'test')}
+  if data.dataset == 'tiered_imagenet':
+    from cht_jax.data import tiered_imagenet  # pylint: disable=g-import-not-at-top
+    return {s: (n, ()) for s, n in tiered_imagenet.SPLIT_CLASSES.items()}
+  per_domain = zip(*(multidomain.split_sizes(multidomain.NUM_CLASSES[name], data.domain_split)
+                     for name in data.domains))
+  sizes = {s: tuple(n for n in counts if n) for s, counts in zip(multidomain.SPLITS, per_domain)}
+  return {s: (sum(sizes[s]), sizes[s]) for s in multidomain.SPLITS}
+
+
 def _split_classes(c: ml_collections.ConfigDict) -> dict[str, tuple[int, tuple[int, ...]]]:
   """(classes, domain sizes) of the splits sampled in training; {} if unknown.
 
   The training split, and the validation split unless train.eval_every_steps
-  is 0. Known from the config alone: Omniglot's split scheme,
-  tieredImageNet's 351/97/160 (unknown with data.check_class_counts=False),
-  the nominal class counts of the multi-domain datasets (classes with fewer
-  than data.images_per_class images are dropped when loading, so the real
-  counts may be lower; a domain without classes in a split is left out of it,
-  as multidomain.load_multidomain does).
+  is 0, as `nominal_split_classes` has them; tieredImageNet's are unknown with
+  data.check_class_counts=False.
   """
-  data = c.data
+  if c.data.dataset == 'tiered_imagenet' and not c.data.check_class_counts:
+    return {}
   splits = ('train', 'validation') if c.train.eval_every_steps else ('train',)
-  if data.dataset == 'omniglot':
-    ids = omniglot.class_split(data.split_scheme, data.split_seed)
-    return {s: (len(ids[s]), ()) for s in splits}
-  if data.dataset == 'tiered_imagenet':
-    from cht_jax.data import tiered_imagenet  # pylint: disable=g-import-not-at-top
-    counts = tiered_imagenet.SPLIT_CLASSES
-    return {s: (counts[s], ()) for s in splits} if data.check_class_counts else {}
-  per_domain = zip(*(multidomain.split_sizes(multidomain.NUM_CLASSES[name], data.domain_split)
-                     for name in data.domains))
-  sizes = {s: tuple(n for n in counts if n) for s, counts in zip(multidomain.SPLITS, per_domain)}
-  return {s: (sum(sizes[s]), sizes[s]) for s in splits}
+  counts = nominal_split_classes(c)
+  return {s: counts[s] for s in splits}
 
 
 def _images_per_class(c: ml_collections.ConfigDict) -> tuple[int, str]:

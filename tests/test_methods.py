@@ -79,3 +79,32 @@ def test_method_gives_the_numbers_of_before_the_redesign(name, tmp_path):
     np.testing.assert_allclose(results['table'][setting]['mean'], golden[setting], atol=atol,
                                err_msg=setting)
   assert results['method'] == methods.display_name(config)
+
+
+def test_finetune_head_has_the_training_classes_of_tiered_imagenet(tmp_path):
+  """Fine-tuning on tieredImageNet pretrains a head over its 351 training classes, not
+  Omniglot's 1150. A run that loads its own data (`main`, no dataset given) builds the
+  method from the config before reading any, as `--mode=eval` does to restore it."""
+  from configs import tiered_imagenet_t2  # pylint: disable=g-import-not-at-top
+  from cht_jax.data import datasets  # pylint: disable=g-import-not-at-top
+  from cht_jax.data import tiered_imagenet  # pylint: disable=g-import-not-at-top
+  from test_datasets import write_pickled_release  # pylint: disable=g-import-not-at-top
+  config = tiered_imagenet_t2.get_config('tiny')
+  config.method = 'finetune'
+  config.data.pipeline = 'device'  # Pretraining samples images, not the host's episodes.
+  config.data.check_class_counts = True  # The standard 351 / 97 / 160 classes ...
+  config.data.data_dir = str(tmp_path / 'tfds')
+  config.data.manual_dir = write_pickled_release(  # ... of a few generated images each.
+      str(tmp_path / 'manual'), classes=tiered_imagenet.SPLIT_CLASSES,
+      images=config.data.images_per_class)
+  config.model.channels = 8  # The fused CPU kernel's narrowest width (conv_impl='auto').
+  config.train.eval_every_steps = 0
+  workdir = str(tmp_path / 'run')
+  train.train_and_evaluate(config, workdir)
+  num_classes = len(datasets.load_dataset(config)['train'])
+  assert num_classes == tiered_imagenet.SPLIT_CLASSES['train']
+  assert methods.build(config).num_train_classes == num_classes
+  params, step = evaluate.restore_params(workdir, config)
+  assert step == config.train.num_steps
+  assert params['head']['kernel'].shape[-1] == num_classes
+  assert params['block_0']['kernel'].shape[-2] == 3  # RGB images.

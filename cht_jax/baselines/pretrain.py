@@ -35,9 +35,10 @@ def build_cnn(config: ml_collections.ConfigDict, num_outputs: int) -> cnn_lib.CN
                      compute_dtype=model.compute_dtype)
 
 
-def init_theta(cnn: cnn_lib.CNN, key: jax.Array, image_size: int) -> Any:
-  """Glorot kernels, BatchNorm scale 1 and offset 0, zero head bias."""
-  return cnn.init(key, jnp.zeros((1, image_size, image_size, 1)))['params']
+def init_theta(cnn: cnn_lib.CNN, key: jax.Array, image_shape: tuple[int, int, int]) -> Any:
+  """Glorot kernels, BatchNorm scale 1 and offset 0, zero head bias, for images of
+  `image_shape` (H, W, channels)."""
+  return cnn.init(key, jnp.zeros((1, *image_shape)))['params']
 
 
 def sample_batch(key: jax.Array, class_images: jax.Array, batch_size: int, rotate: bool):

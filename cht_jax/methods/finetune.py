@@ -13,11 +13,12 @@ from typing import Any
 
 import jax
 
+from cht_jax import config_validation
 from cht_jax.baselines import ewc
 from cht_jax.baselines import pretrain
 from cht_jax.baselines import rules
 from cht_jax.baselines import sequential
-from cht_jax.data import omniglot
+from cht_jax.data import datasets
 from cht_jax.methods import base
 
 
@@ -31,18 +32,17 @@ class Finetune(base.SequentialMethod):
 
   @classmethod
   def from_config(cls, config, num_train_classes=None) -> 'Finetune':
-    """`num_train_classes`: C of the dataset trained on; None counts the split's (no
-    data is read)."""
+    """`num_train_classes`: C of the dataset trained on; None takes the training
+    split's of `data.dataset` from the config (no data is read)."""
     if num_train_classes is None:
-      split = omniglot.class_split(config.data.split_scheme, config.data.split_seed)
-      num_train_classes = len(split['train'])
+      num_train_classes = config_validation.nominal_split_classes(config)['train'][0]
     return cls(config, num_train_classes=num_train_classes)
 
   def pretraining_cnn(self):
     return pretrain.build_cnn(self.config, self.num_train_classes)
 
   def init(self, key) -> Any:
-    return pretrain.init_theta(self.pretraining_cnn(), key, self.config.data.image_size)
+    return pretrain.init_theta(self.pretraining_cnn(), key, datasets.image_shape(self.config))
 
   def grads(self, params, data, key, **unused):
     """The cross-entropy over all C classes of one random batch of training images."""

@@ -38,7 +38,7 @@ class MAML(base.SequentialMethod):
 
   def init(self, key) -> Any:
     b = self.config.baseline
-    theta = pretrain.init_theta(self.cnn, key, self.config.data.image_size)
+    theta = pretrain.init_theta(self.cnn, key, datasets.image_shape(self.config))
     return maml.init_params(theta, b.inner_steps, b.inner_learning_rate)
 
   def learning_rate(self, optim):
