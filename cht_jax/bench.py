@@ -144,8 +144,9 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   config.train.episodes_per_step = batch_size
   method = methods.build(config)
   optimizer = train.make_optimizer(config.optim)
-  state = train.init_state(method, optimizer, jax.random.key(0))
-  step = train.make_train_step(method, optimizer, devices.data_mesh(batch_size))
+  mesh = devices.data_mesh(batch_size)
+  state = train.init_state(method, optimizer, jax.random.key(0), mesh)
+  step = train.make_train_step(method, optimizer, mesh)
   key = jax.random.key(1)
 
   start = time.perf_counter()

@@ -119,8 +119,7 @@ def bench_step(config, num_steps: int) -> dict:
   }
   sharding = jax.NamedSharding(mesh, jax.P('data'))
   batch = jax.device_put(batch, sharding)
-  state = jax.jit(lambda key: train.init_state(method, optimizer, key))(
-      jax.random.key(0))
+  state = train.init_state(method, optimizer, jax.random.key(0), mesh)
   start = time.perf_counter()
   step = train.make_train_step(method, optimizer, mesh, host=True).lower(
       state, batch, jax.random.key(1)).compile()

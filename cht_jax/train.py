@@ -114,10 +114,18 @@ def method_optimizer(method: methods.Method) -> optax.GradientTransformation:
   return make_optimizer(method.config.optim, method_schedule(method))
 
 
-def init_state(method: methods.Method, optimizer, key) -> TrainState:
-  params = method.init(key)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=optimizer.init(params))
+def init_state(method: methods.Method, optimizer, key, mesh) -> TrainState:
+  """The initial TrainState, compiled and replicated over `mesh`.
+
+  Replicated as the train step returns its state: a state of another sharding
+  type (say, an eager init's) would compile the step a second time at its
+  second call.
+  """
+  def init(key):
+    params = method.init(key)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params))
+  return jax.jit(init, out_shardings=jax.NamedSharding(mesh, jax.P()))(key)
 
 
 def make_train_step(method: methods.Method, optimizer, mesh, variant=(), domain_sizes=(),
@@ -262,9 +270,8 @@ def _train(config, workdir, dataset) -> dict[str, float]:
   method = methods.build(config, None if dataset is None else len(dataset['train']))
   optimizer = method_optimizer(method)
   mesh = devices.data_mesh(method.batch_size)
-  replicated = jax.NamedSharding(mesh, jax.P())
   init_key, train_key, eval_key = jax.random.split(jax.random.key(config.seed), 3)
-  init = jax.jit(lambda key: init_state(method, optimizer, key), out_shardings=replicated)
+  init = lambda key: init_state(method, optimizer, key, mesh)
 
   manager = checkpoints.manager(workdir, config, remove_partial=True)
   log = None

@@ -11,6 +11,7 @@ import pytest
 
 from cht_jax import api
 from cht_jax import checkpoints
+from cht_jax import devices
 from cht_jax import methods
 from cht_jax import train
 
@@ -33,7 +34,8 @@ def workdir(tmp_path_factory):
   """A workdir with training's config.json and a checkpoint of step 3."""
   config = tiny_config()
   optimizer = train.make_optimizer(config.optim)
-  state = train.init_state(methods.build(config), optimizer, jax.random.key(0))
+  state = train.init_state(methods.build(config), optimizer, jax.random.key(0),
+                           devices.data_mesh())
   state = state.replace(step=jnp.asarray(3, jnp.int32))
   path = str(tmp_path_factory.mktemp('api_workdir'))
   manager = checkpoints.manager(path, config)

@@ -45,8 +45,9 @@ def train_and_evaluate(config, images, steps=3):
   """A few training steps, then the evaluation protocol on a handful of episodes."""
   method = methods.build(config)
   optimizer = train.make_optimizer(config.optim)
-  state = train.init_state(method, optimizer, jax.random.key(0))
-  step = train.make_train_step(method, optimizer, devices.data_mesh())
+  mesh = devices.data_mesh()
+  state = train.init_state(method, optimizer, jax.random.key(0), mesh)
+  step = train.make_train_step(method, optimizer, mesh)
   for i in range(steps):
     state, metrics = step(state, images, jax.random.key(i))
     assert not metrics['skipped'] and np.isfinite(float(metrics['loss']))

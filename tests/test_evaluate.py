@@ -17,6 +17,7 @@ import pytest
 from cht_jax import api
 from cht_jax import checkpoints
 from cht_jax import continual
+from cht_jax import devices
 from cht_jax import evaluate
 from cht_jax import methods
 from cht_jax import plots
@@ -38,8 +39,8 @@ def trained(tmp_path_factory):
   """
   config = tiny_config()
   optimizer = train.make_optimizer(config.optim)
-  state = jax.jit(lambda key: train.init_state(methods.build(config), optimizer, key))(
-      jax.random.key(0))
+  state = train.init_state(methods.build(config), optimizer, jax.random.key(0),
+                           devices.data_mesh())
   state = state.replace(step=jnp.asarray(3, jnp.int32))
   workdir = str(tmp_path_factory.mktemp('trained'))
   save_checkpoint(workdir, config, state)
@@ -219,8 +220,7 @@ from test_evaluate import save_checkpoint
 config = tiny_config()
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
 state = train.init_state(methods.build(config), train.make_optimizer(config.optim),
-                         jax.random.key(1))
-state = jax.device_put(state, jax.NamedSharding(mesh, jax.P()))
+                         jax.random.key(1), mesh)
 save_checkpoint(sys.argv[1], config, state)
 np.savez(sys.argv[2], *jax.tree.leaves(jax.device_get(state.params)))
 print(len(jax.tree.leaves(state.params)[0].sharding.device_set))

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from cht_jax import checkpoints
+from cht_jax import devices
 from cht_jax import divergence
 from cht_jax import methods
 from cht_jax import preemption
@@ -423,7 +424,8 @@ def test_checkpoint_of_another_config_is_refused_before_any_work(tmp_path):
   workdir = str(tmp_path / 'work')
   saved = tiny_config()
   state = jax.eval_shape(lambda: train.init_state(
-      methods.build(saved), train.make_optimizer(saved.optim), jax.random.key(0)))
+      methods.build(saved), train.make_optimizer(saved.optim), jax.random.key(0),
+      devices.data_mesh()))
   state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), state)
   manager = checkpoints.manager(workdir, saved)
   manager.save(2, args=ocp.args.StandardSave(state))

@@ -18,7 +18,7 @@ from conftest import class_images, make_episode, tiny_config
 def make_state(config, key=0):
   method = methods.build(config)
   optimizer = train.make_optimizer(config.optim)
-  state = train.init_state(method, optimizer, jax.random.key(key))
+  state = train.init_state(method, optimizer, jax.random.key(key), devices.data_mesh())
   return method, optimizer, state
 
 
