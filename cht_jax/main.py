@@ -118,10 +118,22 @@ def _parse_flags(argv: list[str]) -> list[str]:
   try:
     return config_validation.flags_parser(argv)
   except ConfigFileError as e:
-    if any(re.fullmatch(r'--?v(erbosity)?=[1-9]\d*', arg) for arg in argv):
+    if _verbose(argv[1:]):
       traceback.print_exception(e.__cause__)
     print(f'ConfigError: {e}', file=sys.stderr)
     sys.exit(1)
+
+
+def _verbose(args: list[str]) -> bool:
+  """Whether the flags ask for more than the default logging: --verbosity=N, -v=N,
+  --verbosity N or -v N with N > 0 (absl is not parsed yet when a config fails)."""
+  for i, arg in enumerate(args):
+    flag, equals, value = arg.partition('=')
+    if re.fullmatch(r'--?v(erbosity)?', flag):
+      value = value if equals else (args[i + 1] if i + 1 < len(args) else '')
+      if re.fullmatch(r'[1-9]\d*', value):
+        return True
+  return False
 
 
 def default_workdir(config_flag: str) -> str:
@@ -146,7 +158,9 @@ _STOPPING = threading.Lock()
 def _stop_job(error: Exception, workdir: str) -> None:
   """Ends a process of a multi-process job at once, saying why in one line.
 
-  Not a normal exit: JAX's shutdown would wait on the lost process, then abort.
+  Not a normal exit: JAX's shutdown would wait on the lost process, then abort;
+  and where this process is the one that failed, the others would wait for it
+  in a collective while its shutdown waits for them.
   """
   _STOPPING.acquire()  # The watch and the main thread may both stop it: one line.
   if isinstance(error, devices.LostProcessError):
@@ -192,6 +206,8 @@ def main(argv):
       _stop_job(e if isinstance(e, devices.LostProcessError) else
                 devices.lost_process_error(str(e)), workdir)
     if isinstance(e, train.USER_ERRORS):  # Their message says what is wrong and what to do.
+      if jax.process_count() > 1:  # The others may wait for this one in a collective.
+        _stop_job(e, workdir)
       _say(f'{type(e).__name__}: {e}')
       return 1
     if isinstance(e, preemption.Preempted):

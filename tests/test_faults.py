@@ -194,6 +194,9 @@ def test_main_says_a_broken_config_file_in_one_line(tmp_path, env):
                                    'load: SyntaxError: invalid syntax (--verbosity=1 for the '
                                    'full traceback)'), result.stderr[-3000:]
   assert not os.path.exists(tmp_path / 'w')
+  verbose = run_main(env, f'--config={path}', '--verbosity', '1')  # absl's space form.
+  assert 'Traceback' in verbose.stderr and last_lines(verbose.stderr) == [
+      result.stderr.strip()], verbose.stderr[-3000:]
 
 
 def test_an_unreachable_coordinator_is_named_after_the_timeout(tmp_path, env):

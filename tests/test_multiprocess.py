@@ -67,12 +67,23 @@ def test_two_processes_train_and_evaluate_as_one(tmp_path, prepared_omniglot, en
   assert complete_steps(two) == complete_steps(one) == [2, 4]
   assert len([f for f in os.listdir(two) if f.startswith('events.out')]) == 1
 
+  # A user error on one process (process 0 alone checks the results folder; here eval/ is
+  # a file) ends the job at once in one line: no process waits for it in a collective.
+  eval_flags = ('--mode=eval', '--eval_episodes=4', '--eval_query_draws=2',
+                '--eval_batch_size=2')
+  open(os.path.join(two, 'eval'), 'w').close()
+  started = time.time()
+  rc, log = finish(launch(env, f'{two}.bad.log', two, prepared_omniglot, *eval_flags,
+                          '--heartbeat_timeout_seconds=10'), f'{two}.bad.log', timeout=150)
+  assert rc == 1 and time.time() - started < 120, log[-3000:]
+  assert log.count('ReportError: Cannot write the evaluation results to') == 1, log[-3000:]
+  os.remove(os.path.join(two, 'eval'))
+
   results = {}
   for name, count in (('two', 2), ('one', 1)):
     workdir = str(tmp_path / name)
     rc, log = finish(launch(env, f'{workdir}.eval.log', workdir, prepared_omniglot,
-                            '--mode=eval', '--eval_episodes=4', '--eval_query_draws=2',
-                            '--eval_batch_size=2', num_processes=count), f'{workdir}.eval.log')
+                            *eval_flags, num_processes=count), f'{workdir}.eval.log')
     assert rc == 0, log[-3000:]
     with open(os.path.join(workdir, 'eval', 'test_T2_step4.json')) as f:
       results[name] = json.load(f)
