@@ -16,6 +16,10 @@ one value per column "0", "0-1", ...: the mean over tasks 0..k of the
 task-incremental accuracy, and the class-incremental accuracy on tasks 0..k);
 an evaluation result file has them. 'ConstPN' is drawn as a dashed black line,
 'Merged HT' as blue stars, anything else as a dotted grey line.
+
+Validation curves of the launch scripts, for `reports`: `plot_curve`
+(launch/fast_table1.py's curve.png) and `plot_levers` (launch/recipe_levers.sh's
+levers.png).
 """
 
 import json
@@ -144,6 +148,38 @@ def plot_results(results: Sequence[dict[str, Any]], output: str,
   fig.legend(handles=handles, loc='lower center', ncol=ncol, fontsize='small', frameon=False)
   fig.tight_layout(rect=(0, min(0.4, 0.3 * legend_rows / fig.get_figheight()), 1, 1))
   fig.savefig(output, dpi=120)
+  return output
+
+
+def plot_curve(curve: dict[str, list[float]], title: str, output: str) -> str:
+  """Validation accuracy against training episodes and wall clock (launch/fast_table1.py)."""
+  fig = figure_lib.Figure(figsize=(10, 3.8))
+  axes = fig.subplots(1, 2, sharey=True)
+  for ax, x, label in ((axes[0], curve['episodes'], 'training episodes'),
+                       (axes[1], curve['seconds'],
+                        'training wall clock, compilation included (s)')):
+    ax.plot(x, curve['accuracy'], marker='o')
+    ax.set_xlabel(label)
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel('validation accuracy')
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(output, dpi=110)
+  return output
+
+
+def plot_levers(curves: dict[str, list[tuple[int, float]]], output: str) -> str:
+  """One validation curve per run, {run: [(step, accuracy)]} (launch/recipe_levers.sh)."""
+  fig = figure_lib.Figure(figsize=(7, 4.2))
+  ax = fig.subplots()
+  for name, points in curves.items():
+    ax.plot(*zip(*points), marker='.', label=name)
+  ax.set_xlabel('training episodes (T=2, 1 per step)')
+  ax.set_ylabel('validation accuracy (class-incr., mean over pairs)')
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(output, dpi=110)
   return output
 
 

@@ -1,11 +1,23 @@
-"""Result files of an evaluation: JSON, CSV, Markdown and the figure.
+r"""Every results file: of an evaluation, and the tables and figures of the launch scripts.
 
 `write_results(results, <workdir>/eval/<split>_T<T_eval>_step<step>)` writes
 what `evaluate.evaluate` returns (docs/evaluation.md describes each file). Each
 file is written whole or not at all (`workdir.atomic_path`): a full disk leaves
 the complete results of an earlier evaluation, never a truncated one.
+
+The launch scripts write theirs here too: `write_sweep` (launch/sweep.py),
+`write_fast_table1` (launch/fast_table1.py), and two tables the shell scripts ask for:
+
+  # launch/gpu_figure3.sh: one row per run from <work>/<run>/results.json.
+  python -m cht_jax.reports runs_table --work=/tmp/figure3 --runs="t1 t2" --output=table.md
+  # launch/recipe_levers.sh: <root>/levers.{png,md} from <root>/*/metrics.jsonl.
+  python -m cht_jax.reports levers --root=workdirs/levers
 """
 
+import argparse
+import csv
+import glob
+import io
 import json
 import os
 import socket
@@ -47,9 +59,10 @@ def _percent(mean, ci) -> str:
   return f'{100 * mean:.1f} ± {100 * ci:.1f}'
 
 
-def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
-  lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
-  lines += ['| ' + ' | '.join(row) + ' |' for row in rows]
+def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
+  """The one Markdown table writer: a header line, '|---|...', a line per row (str of cells)."""
+  lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
+  lines += ['| ' + ' | '.join(str(v) for v in row) + ' |' for row in rows]
   return '\n'.join(lines)
 
 
@@ -82,7 +95,7 @@ def format_markdown(results: dict[str, Any]) -> str:
       parts += [title, '']
     row = results['table'][name]
     cells = [_percent(m, c) + mark(t) for t, (m, c) in enumerate(zip(row['mean'], row['ci95']))]
-    parts += [_markdown_table(['Method'] + columns, [[method] + cells]), '']
+    parts += [markdown_table(['Method'] + columns, [[method] + cells]), '']
   titles = {
       'task_incremental': 'Task-incremental accuracy A_ti[theta_t, task tau]',
       'class_incremental': 'Class-incremental accuracy A_ci[theta_t, task tau] '
@@ -95,7 +108,7 @@ def format_markdown(results: dict[str, Any]) -> str:
     mean, ci = results[name]['mean'], results[name]['ci95']
     rows = [[f'theta_{t}{mark(t)}'] + [_percent(mean[t][k], ci[t][k]) for k in range(num_tasks)]
             for t in range(num_tasks)]
-    parts += [f'## {titles[name]}', '', _markdown_table([''] + names, rows), '']
+    parts += [f'## {titles[name]}', '', markdown_table([''] + names, rows), '']
   parts += ['## Continual-learning summaries (of the mean matrices; see docs/evaluation.md)', '']
   header = ['Horizon', 'Setting', 'ACC', 'AIA', 'BWT', 'Forgetting']
   rows = []
@@ -106,7 +119,7 @@ def format_markdown(results: dict[str, Any]) -> str:
       rows.append([f'{horizon} (T={values["num_tasks"]})', name.replace('_', '-'),
                    fmt(s['average_accuracy']), fmt(s['average_incremental_accuracy']),
                    fmt(s['backward_transfer'], '+'), fmt(s['forgetting'], '+')])
-  parts += [_markdown_table(header, rows), '']
+  parts += [markdown_table(header, rows), '']
   timing = results.get('timing')
   if timing:
     parts += [f'Evaluation time: {timing["seconds"]:.1f} s ({timing["episodes_per_second"]:.2f}'
@@ -200,3 +213,181 @@ def result_prefix(workdir: str, protocol, step: int) -> str:
   suffix = '' if getattr(protocol, 'sampler', 'strict') == 'strict' else f'_{protocol.sampler}'
   return os.path.join(workdir, 'eval',
                       f'{protocol.split}_T{protocol.num_tasks}_step{step}{suffix}')
+
+
+# --------------------------------------------------------------------------
+# Tables and figures of the launch scripts.
+# --------------------------------------------------------------------------
+
+SWEEP_NOTE = ('CI: class-incremental accuracy (%) of theta_t on tasks 0..t; TI: task-incremental, '
+              'mean over tasks 0..t; mean ± 95% CI over episodes. Merged HT: only CI at 0..T-1 is '
+              'its baseline number. Columns past a run\'s trained T extrapolate.')
+
+
+def sweep_table(records: list[dict]) -> tuple[str, list[list[Any]]]:
+  """The Markdown table and the CSV rows of launch/sweep.py's records, one row per run."""
+  columns = max((r['columns'] for r in records), key=len, default=[])
+  head = ['run', 'method', 'loss', 'channels', 'T', 'N', 'step', 'episodes']
+  md_rows = []
+  rows = [head + [f'class_incremental_{c}' for c in columns]
+          + [f'class_incremental_{c}_ci95' for c in columns]
+          + [f'task_incremental_{c}' for c in columns]
+          + [f'task_incremental_{c}_ci95' for c in columns] + ['final_theta_last_task']]
+  fmt = lambda v: '' if v is None else f'{v:.6f}'
+  for r in records:
+    meta = [r['run'], r['method'], r['loss'], r['channels'], r['trained_tasks'], r['shots'],
+            r['step'], r['episodes']]
+    pad = lambda values: values + [None] * (len(columns) - len(values))
+    ci, ti = ((pad(r[s]['mean']), pad(r[s]['ci95']))
+              for s in ('class_incremental', 'task_incremental'))
+    md_rows.append(meta + [_percent(m, c) for m, c in zip(*ci)]
+                   + [_percent(m, c) for m, c in zip(*ti)]
+                   + [_percent(r['final_theta_last_task'], None)])
+    rows.append(meta + [fmt(v) for v in ci[0] + ci[1] + ti[0] + ti[1]]
+                + [fmt(r['final_theta_last_task'])])
+  header = (head + [f'CI {c}' for c in columns] + [f'TI {c}' for c in columns]
+            + ['last θ, last task'])
+  return markdown_table(header, md_rows), rows
+
+
+def as_baseline(result: dict) -> dict:
+  """Merged HT is one point (a star): class-incremental accuracy on tasks 0..T-1 only."""
+  if result.get('method') != 'Merged HT':
+    return result
+  row = result['table']['class_incremental']
+  last = len(row['mean']) - 1
+  return {**result, 'table': {
+      'columns': result['table']['columns'],
+      'class_incremental': {'mean': [None] * last + row['mean'][last:],
+                            'ci95': [None] * last + row['ci95'][last:]}}}
+
+
+def write_sweep(records: list[dict], prefix: str, figures: bool = True) -> list[str]:
+  """`<prefix>.md`, `.csv`, `.json` (one row per run) and `<prefix>_<dataset>.png`.
+
+  One figure per dataset: CHT runs as columns, the other methods as baselines.
+  """
+  markdown, rows = sweep_table(records)
+  table = io.StringIO(newline='')
+  csv.writer(table).writerows(rows)
+  texts = {'.md': markdown + '\n\n' + SWEEP_NOTE + '\n', '.csv': table.getvalue(),
+           '.json': json.dumps([{k: v for k, v in r.items() if k != 'result'} for r in records],
+                               indent=1)}
+  paths = []
+  for ext, text in texts.items():
+    paths.append(prefix + ext)
+    workdir_lib.write_atomically(paths[-1], text)
+  if figures:
+    from cht_jax import plots  # Matplotlib only when a figure is wanted.
+    for dataset in sorted({r['dataset'] for r in records}):
+      group = [r for r in records if r['dataset'] == dataset]
+      columns = ([r['result'] for r in group if r['method'] == 'CHT']
+                 or [r['result'] for r in group])
+      baselines = [as_baseline(r['result']) for r in group if r['method'] != 'CHT']
+      paths.append(f'{prefix}_{dataset}.png')
+      with workdir_lib.atomic_path(paths[-1]) as partial:
+        plots.plot_results(columns, partial, baselines=baselines)
+  return paths
+
+
+def fast_table1_markdown(summary: dict) -> str:
+  """results.md of launch/fast_table1.py: its Table 1 row (in %) and the wall clocks."""
+  row = summary['table1']
+  rows = [[key.replace('_', '-')] + [f'{m:.1f} ± {c:.1f}'
+                                     for m, c in zip(row[key]['mean'], row[key]['ci95'])]
+          for key in ('class_incremental', 'task_incremental')]
+  lines = [f"{summary['config']}, step {summary['step']}, {summary['device']}, "
+           f"JAX {summary['jax']}, commit {summary['commit']}", '',
+           markdown_table(['accuracy (%)'] + row['columns'], rows), '',
+           f"training {summary['train_wall_seconds'] or 0:.0f} s, evaluation "
+           f"{summary['eval_wall_seconds']:.0f} s (wall clock, compilation and data loading "
+           'included)']
+  return '\n'.join(lines) + '\n'
+
+
+def write_fast_table1(workdir: str, summary: dict) -> list[str]:
+  """`<workdir>/results.json`, `results.md` and, with a validation curve, `curve.png`."""
+  paths = [os.path.join(workdir, name) for name in ('results.json', 'results.md')]
+  workdir_lib.write_atomically(paths[0], json.dumps(summary, indent=1))
+  workdir_lib.write_atomically(paths[1], fast_table1_markdown(summary))
+  if 'validation_curve' in summary:
+    from cht_jax import plots  # Matplotlib only when a figure is wanted.
+    paths.append(os.path.join(workdir, 'curve.png'))
+    with workdir_lib.atomic_path(paths[-1]) as partial:
+      plots.plot_curve(summary['validation_curve'], f"{summary['config']} on "
+                       f"{summary['device']}, commit {summary['commit']}", partial)
+  return paths
+
+
+def runs_table(work: str, runs: list[str]) -> str:
+  """launch/gpu_figure3.sh's table: a row per run from <work>/<run>/results.json."""
+  rows = []
+  for run in runs:
+    path = os.path.join(work, run, 'results.json')
+    if not os.path.exists(path):
+      rows.append([run, '(no results)', '', '', ''])
+      continue
+    with open(path) as f:
+      r = json.load(f)
+    rows.append([r['config'], r['step'], f"{r['train_wall_seconds'] or 0:.0f}",
+                 f"{r['eval_wall_seconds']:.0f}",
+                 ' / '.join(f'{m:.1f}' for m in r['table1']['class_incremental']['mean'])])
+  return markdown_table(['run', 'steps', 'training s', 'evaluation s',
+                         'class-incremental on 0 / 0-1 / ...'], rows)
+
+
+def read_levers(root: str) -> dict[str, tuple[float, list[tuple[int, float]]]]:
+  """{run: (first logged training loss, [(step, validation accuracy)])} of the runs
+  under `root` (launch/recipe_levers.sh) that logged a validation accuracy."""
+  levers = {}
+  for path in sorted(glob.glob(os.path.join(root, '*', 'metrics.jsonl'))):
+    with open(path) as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+    validation = [(r['step'], r['validation/accuracy']) for r in rows
+                  if r.get('split') == 'validation']
+    if validation:
+      first = next((r['train/loss'] for r in rows if r.get('split') == 'train'), float('nan'))
+      levers[os.path.basename(os.path.dirname(path))] = (first, validation)
+  return levers
+
+
+def levers_table(levers: dict[str, tuple[float, list[tuple[int, float]]]]) -> str:
+  rows = [[name, f'{first:.1f}', f'{val[len(val) // 2][1]:.3f}',
+           f'{val[-1][1]:.3f} ({val[-1][0]})'] for name, (first, val) in levers.items()]
+  return markdown_table(['run', 'first logged loss', 'validation accuracy half way',
+                         'at the end (step)'], rows)
+
+
+def write_levers(root: str) -> list[str]:
+  """`<root>/levers.png` (every run's validation curve) and `<root>/levers.md`."""
+  from cht_jax import plots  # Matplotlib only when a figure is wanted.
+  levers = read_levers(root)
+  paths = [os.path.join(root, 'levers.png'), os.path.join(root, 'levers.md')]
+  with workdir_lib.atomic_path(paths[0]) as partial:
+    plots.plot_levers({name: val for name, (_, val) in levers.items()}, partial)
+  workdir_lib.write_atomically(paths[1], levers_table(levers) + '\n')
+  return paths
+
+
+def main(argv=None) -> None:
+  """Writes the table a shell script asks for, then prints it."""
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  commands = parser.add_subparsers(dest='table', required=True)
+  runs = commands.add_parser('runs_table', help='launch/gpu_figure3.sh: results.json of runs.')
+  runs.add_argument('--work', required=True, help='The folder of the runs.')
+  runs.add_argument('--runs', required=True, help='Run names, separated by spaces.')
+  runs.add_argument('--output', required=True, help='The Markdown file to write.')
+  levers = commands.add_parser('levers', help='launch/recipe_levers.sh: levers.{png,md}.')
+  levers.add_argument('--root', required=True, help='The folder of the runs.')
+  args = parser.parse_args(argv)
+  if args.table == 'runs_table':
+    workdir_lib.write_atomically(args.output, runs_table(args.work, args.runs.split()) + '\n')
+    path = args.output
+  else:
+    path = write_levers(args.root)[1]
+  with open(path) as f:
+    print(f.read(), end='')
+
+
+if __name__ == '__main__':
+  main()

@@ -29,6 +29,7 @@ Writes, in `--workdir` besides the run's own files:
   curve.png      validation accuracy against episodes and against training
                  wall clock (from metrics.jsonl);
   eval/...       the evaluation's full reports (reports.write_results).
+The first three are written by reports.write_fast_table1.
 """
 
 import argparse
@@ -104,23 +105,6 @@ def training_curve(metrics_path: str) -> dict[str, list[float]]:
   return curve
 
 
-def plot_curve(curve: dict[str, list[float]], title: str, path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-  for ax, x, label in ((axes[0], curve['episodes'], 'training episodes'),
-                       (axes[1], curve['seconds'], 'training wall clock, compilation included (s)')):
-    ax.plot(x, curve['accuracy'], marker='o')
-    ax.set_xlabel(label)
-    ax.grid(alpha=0.3)
-  axes[0].set_ylabel('validation accuracy')
-  fig.suptitle(title, fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
 def _table1_row(results: dict) -> dict:
   """{'columns': ['0', '0-1', ...], name: {'mean': [%], 'ci95': [%]}} of an evaluation."""
   table = results['table']
@@ -157,7 +141,7 @@ def main():
                  key=os.path.getmtime)
   results = json.load(open(evals[-1]))
   import jax  # pylint: disable=g-import-not-at-top
-  from cht_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from cht_jax import reports  # pylint: disable=g-import-not-at-top
   summary = {
       'config': next(a.split('=', 1)[1] for a in args.main_args if a.startswith('--config=')),
       'command': shlex.join(sys.argv),
@@ -173,24 +157,8 @@ def main():
   metrics = os.path.join(workdir, 'metrics.jsonl')
   if os.path.exists(metrics):
     summary['validation_curve'] = training_curve(metrics)
-    with workdir_lib.atomic_path(os.path.join(workdir, 'curve.png')) as partial:
-      plot_curve(summary['validation_curve'],
-                 f"{summary['config']} on {summary['device']}, commit {summary['commit']}",
-                 partial)
-  workdir_lib.write_atomically(os.path.join(workdir, 'results.json'),
-                               json.dumps(summary, indent=1))
-  row = summary['table1']
-  lines = [f"{summary['config']}, step {summary['step']}, {summary['device']}, "
-           f"JAX {summary['jax']}, commit {summary['commit']}", '',
-           '| accuracy (%) | ' + ' | '.join(row['columns']) + ' |',
-           '|---' * (1 + len(row['columns'])) + '|']
-  for key in ('class_incremental', 'task_incremental'):
-    cells = [f'{m:.1f} ± {c:.1f}' for m, c in zip(row[key]['mean'], row[key]['ci95'])]
-    lines.append(f"| {key.replace('_', '-')} | " + ' | '.join(cells) + ' |')
-  lines += ['', f"training {train_seconds or 0:.0f} s, evaluation {eval_seconds:.0f} s "
-            '(wall clock, compilation and data loading included)']
-  workdir_lib.write_atomically(os.path.join(workdir, 'results.md'), '\n'.join(lines) + '\n')
-  print('\n'.join(lines))
+  reports.write_fast_table1(workdir, summary)
+  print(reports.fast_table1_markdown(summary), end='')
 
 
 if __name__ == '__main__':

@@ -77,22 +77,8 @@ results=${results%,}${EXTRA_RESULTS:+,$EXTRA_RESULTS}
 baseline=$(ls "$WORK"/constpn/eval/test_T${EVAL_TASKS}_step*.json 2>/dev/null | head -1)
 python3 -m cht_jax.plots --results="${results#,}" --baselines="$baseline" \
     --output="$ABS_OUT/figure3.png" 2>&1 | tail -2 | tee -a "$LOG"
-python3 - "$WORK" "$RUNS" > "$ABS_OUT/table.md" <<'EOF'
-import json, os, sys
-work, runs = sys.argv[1], sys.argv[2].split()
-print('| run | steps | training s | evaluation s | class-incremental on 0 / 0-1 / ... |')
-print('|---|---|---|---|---|')
-for run in runs:
-  path = os.path.join(work, run, 'results.json')
-  if not os.path.exists(path):
-    print(f'| {run} | (no results) | | | |')
-    continue
-  r = json.load(open(path))
-  row = ' / '.join(f'{m:.1f}' for m in r['table1']['class_incremental']['mean'])
-  print(f"| {r['config']} | {r['step']} | {r['train_wall_seconds'] or 0:.0f} | "
-        f"{r['eval_wall_seconds']:.0f} | {row} |")
-EOF
-cat "$ABS_OUT/table.md" | tee -a "$LOG"
+python3 -m cht_jax.reports runs_table --work="$WORK" --runs="$RUNS" \
+    --output="$ABS_OUT/table.md" 2>&1 | tee -a "$LOG"
 (cd "$WORK" && tar czf "$ABS_OUT/results.tar.gz" $(for run in $RUNS; do
    ls -d $run/results.json $run/results.md $run/curve.png $run/metrics.jsonl $run/eval \
        2>/dev/null; done))

@@ -28,31 +28,5 @@ for name in smoke_recipe head_scale_only schedule_only fast fast_lr3e-3 fast_cli
   python -m cht_jax.main $BASE ${RUNS[$name]} --workdir="$ROOT/$name" 2>&1 \
       | grep -E "Preempted|Error|error" | head -5
 done
-python - "$ROOT" <<'PY'
-import glob, json, os, sys
-import matplotlib
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt
-root = sys.argv[1]
-fig, ax = plt.subplots(figsize=(7, 4.2))
-rows = []
-for path in sorted(glob.glob(os.path.join(root, '*', 'metrics.jsonl'))):
-  name = os.path.basename(os.path.dirname(path))
-  lines = [json.loads(l) for l in open(path) if l.strip()]
-  val = [(r['step'], r['validation/accuracy']) for r in lines if r.get('split') == 'validation']
-  first = next((r['train/loss'] for r in lines if r.get('split') == 'train'), float('nan'))
-  if not val:
-    continue
-  ax.plot(*zip(*val), marker='.', label=name)
-  rows.append((name, first, val[len(val) // 2][1], val[-1][1], val[-1][0]))
-ax.set_xlabel('training episodes (T=2, 1 per step)')
-ax.set_ylabel('validation accuracy (class-incr., mean over pairs)')
-ax.grid(alpha=0.3)
-ax.legend(fontsize=8)
-fig.tight_layout()
-fig.savefig(os.path.join(root, 'levers.png'), dpi=110)
-print('| run | first logged loss | validation accuracy half way | at the end (step) |')
-print('|---|---|---|---|')
-for name, first, mid, last, step in rows:
-  print(f'| {name} | {first:.1f} | {mid:.3f} | {last:.3f} ({step}) |')
-PY
+# $ROOT/levers.png and the table, $ROOT/levers.md (printed too).
+python -m cht_jax.reports levers --root="$ROOT"

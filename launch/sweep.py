@@ -23,16 +23,15 @@ some runs. Each run is `python -m cht_jax.main --config=FILE:ARGS[,variant]
 ...]`; a workdir that holds checkpoints resumes, so rerunning a sweep finishes it.
 
 Collected (from each run's latest `<workdir>/eval/<split>_T<T>_step<step>.json`,
-`reports.write_results`): `<root>/sweep_<name>.{md,csv,json}`, one row per run:
-class- and task-incremental accuracy on tasks 0, 0-1, ... (Table 1 layout), and one
+`reports.write_results`) by `reports.write_sweep`: `<root>/sweep_<name>.{md,csv,json}`,
+one row per run: class- and task-incremental accuracy on tasks 0, 0-1, ... (Table 1
+layout), and one
 figure per dataset, `<root>/sweep_<name>_<dataset>.png` (`cht_jax.plots`: CHT runs as
 columns, ConstPN and Merged HT drawn as baselines in every panel).
 """
 
 import argparse
-import csv
 import glob
-import io
 import json
 import os
 import re
@@ -143,12 +142,6 @@ def latest_result(workdir: str) -> str | None:
   return max(found)[2] if found else None
 
 
-def _percent(mean, ci) -> str:
-  if mean is None:
-    return ''
-  return f'{100 * mean:.1f}' + ('' if ci is None else f' ± {100 * ci:.1f}')
-
-
 def collect(names_and_workdirs: list[tuple[str, str]]) -> list[dict]:
   """One record per run that has an evaluation result (with its full result)."""
   records = []
@@ -178,81 +171,6 @@ def collect(names_and_workdirs: list[tuple[str, str]]) -> list[dict]:
         'final_theta_last_task': final[len(final) - 1],
     })
   return records
-
-
-def write_table(records: list[dict], prefix: str) -> list[str]:
-  """`<prefix>.md`, `.csv` and `.json`: one row per run."""
-  columns = max((r['columns'] for r in records), key=len, default=[])
-  head = ['run', 'method', 'loss', 'channels', 'T', 'N', 'step', 'episodes']
-  md = ['| ' + ' | '.join(head + [f'CI {c}' for c in columns]
-                          + [f'TI {c}' for c in columns] + ['last θ, last task']) + ' |',
-        '|' + '---|' * (len(head) + 2 * len(columns) + 1)]
-  rows = [head + [f'class_incremental_{c}' for c in columns]
-          + [f'class_incremental_{c}_ci95' for c in columns]
-          + [f'task_incremental_{c}' for c in columns]
-          + [f'task_incremental_{c}_ci95' for c in columns] + ['final_theta_last_task']]
-  for r in records:
-    meta = [r['run'], r['method'], r['loss'], r['channels'], r['trained_tasks'], r['shots'],
-            r['step'], r['episodes']]
-    cells = {}
-    for setting in ('class_incremental', 'task_incremental'):
-      means = r[setting]['mean'] + [None] * (len(columns) - len(r[setting]['mean']))
-      cis = r[setting]['ci95'] + [None] * (len(columns) - len(r[setting]['ci95']))
-      cells[setting] = (means, cis)
-    md.append('| ' + ' | '.join(
-        [str(v) for v in meta]
-        + [_percent(m, c) for m, c in zip(*cells['class_incremental'])]
-        + [_percent(m, c) for m, c in zip(*cells['task_incremental'])]
-        + [_percent(r['final_theta_last_task'], None)]) + ' |')
-    fmt = lambda v: '' if v is None else f'{v:.6f}'
-    rows.append(meta + [fmt(v) for v in cells['class_incremental'][0]]
-                + [fmt(v) for v in cells['class_incremental'][1]]
-                + [fmt(v) for v in cells['task_incremental'][0]]
-                + [fmt(v) for v in cells['task_incremental'][1]]
-                + [fmt(r['final_theta_last_task'])])
-  note = ('CI: class-incremental accuracy (%) of theta_t on tasks 0..t; TI: task-incremental, '
-          'mean over tasks 0..t; mean ± 95% CI over episodes. Merged HT: only CI at 0..T-1 is '
-          'its baseline number. Columns past a run\'s trained T extrapolate.')
-  paths = [prefix + ext for ext in ('.md', '.csv', '.json')]
-  table = io.StringIO(newline='')
-  csv.writer(table).writerows(rows)
-  sys.path.insert(0, REPO_ROOT)
-  from cht_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  for path, text in zip(paths, ('\n'.join(md) + '\n\n' + note + '\n', table.getvalue(),
-                                json.dumps([{k: v for k, v in r.items() if k != 'result'}
-                                            for r in records], indent=1))):
-    workdir_lib.write_atomically(path, text)
-  return paths
-
-
-def _as_baseline(result: dict) -> dict:
-  """Merged HT is one point (a star): class-incremental accuracy on tasks 0..T-1 only."""
-  if result.get('method') != 'Merged HT':
-    return result
-  row = result['table']['class_incremental']
-  last = len(row['mean']) - 1
-  return {**result, 'table': {
-      'columns': result['table']['columns'],
-      'class_incremental': {'mean': [None] * last + row['mean'][last:],
-                            'ci95': [None] * last + row['ci95'][last:]}}}
-
-
-def write_figures(records: list[dict], prefix: str) -> list[str]:
-  """One figure per dataset: CHT runs as columns, the other methods as baselines."""
-  sys.path.insert(0, REPO_ROOT)
-  from cht_jax import plots  # pylint: disable=g-import-not-at-top
-  from cht_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  paths = []
-  for dataset in sorted({r['dataset'] for r in records}):
-    group = [r for r in records if r['dataset'] == dataset]
-    columns = [r['result'] for r in group if r['method'] == 'CHT'] or [r['result'] for r in group]
-    baselines = [_as_baseline(r['result']) for r in group
-                 if r['method'] != 'CHT']
-    path = f'{prefix}_{dataset}.png'
-    with workdir_lib.atomic_path(path) as partial:
-      plots.plot_results(columns, partial, baselines=baselines)
-    paths.append(path)
-  return paths
 
 
 def main(argv=None) -> int:
@@ -314,10 +232,10 @@ def main(argv=None) -> int:
 
   records = collect([(name, os.path.join(root, name)) for name, _, _ in planned])
   if records:
-    prefix = os.path.join(root, f'sweep_{args.sweep}')
-    paths = write_table(records, prefix)
-    if not args.no_figures:
-      paths += write_figures(records, prefix)
+    sys.path.insert(0, REPO_ROOT)
+    from cht_jax import reports  # pylint: disable=g-import-not-at-top
+    paths = reports.write_sweep(records, os.path.join(root, f'sweep_{args.sweep}'),
+                                figures=not args.no_figures)
     print('Wrote ' + ', '.join(paths))
     with open(paths[0]) as f:
       print(f.read())

@@ -260,10 +260,9 @@ def test_sweep_collects_the_latest_results_into_one_table(tmp_path):
                            ('merged', str(tmp_path / 'merged')),
                            ('missing', str(tmp_path / 'missing'))])
   assert [r['run'] for r in records] == ['cht', 'constpn', 'merged'] and records[0]['step'] == 200
-  star = sweep._as_baseline(records[2]['result'])['table']  # pylint: disable=protected-access
+  star = reports.as_baseline(records[2]['result'])['table']
   assert star['class_incremental']['mean'] == [None, 0.7] and 'task_incremental' not in star
-  paths = sweep.write_table(records, str(tmp_path / 'table'))
-  paths += sweep.write_figures(records, str(tmp_path / 'table'))
+  paths = reports.write_sweep(records, str(tmp_path / 'table'))
   markdown = open(paths[0]).read()
   assert '| cht | CHT |' in markdown and '90.0 ± 1.0' in markdown and '60.0 ± 2.0' in markdown
   rows = open(paths[1]).read().splitlines()
@@ -298,3 +297,55 @@ def test_sweep_end_to_end_two_tiny_runs(tmp_path, prepared_omniglot):
       ('cht', 'CHT', 2), ('constpn', 'ConstPN', 2)]
   assert (tmp_path / 'sweep_baselines.md').exists()
   assert (tmp_path / 'sweep_baselines_omniglot.png').exists()
+
+
+# --------------------------------------------------------------------------
+# The tables of launch/fast_table1.py, launch/gpu_figure3.sh and launch/recipe_levers.sh.
+# --------------------------------------------------------------------------
+
+
+def test_fast_table1_results_and_the_runs_table(tmp_path, capsys):
+  summary = {'config': 'configs/omniglot_t2.py:fast', 'step': 2200, 'device': 'H200',
+             'jax': '0.4.35', 'commit': 'abc1234', 'train_wall_seconds': 301.4,
+             'eval_wall_seconds': 29.6,
+             'table1': {'columns': ['0', '0-1'],
+                        'class_incremental': {'mean': [95.04, 80.25], 'ci95': [0.31, 0.44]},
+                        'task_incremental': {'mean': [95.04, 93.5], 'ci95': [0.31, 0.2]}}}
+  os.makedirs(tmp_path / 't2')
+  reports.write_fast_table1(str(tmp_path / 't2'), summary)
+  assert open(tmp_path / 't2' / 'results.md').read().splitlines() == [
+      'configs/omniglot_t2.py:fast, step 2200, H200, JAX 0.4.35, commit abc1234', '',
+      '| accuracy (%) | 0 | 0-1 |', '|---|---|---|',
+      '| class-incremental | 95.0 ± 0.3 | 80.2 ± 0.4 |',
+      '| task-incremental | 95.0 ± 0.3 | 93.5 ± 0.2 |', '',
+      'training 301 s, evaluation 30 s (wall clock, compilation and data loading included)']
+  assert json.load(open(tmp_path / 't2' / 'results.json')) == summary
+  # launch/gpu_figure3.sh's table.md: a run without results.json keeps its row.
+  output = str(tmp_path / 'table.md')
+  reports.main(['runs_table', f'--work={tmp_path}', '--runs=t1 t2', f'--output={output}'])
+  expected = [
+      '| run | steps | training s | evaluation s | class-incremental on 0 / 0-1 / ... |',
+      '|---|---|---|---|---|',
+      '| t1 | (no results) |  |  |  |',
+      '| configs/omniglot_t2.py:fast | 2200 | 301 | 30 | 95.0 / 80.2 |']
+  assert open(output).read() == '\n'.join(expected) + '\n'
+  assert capsys.readouterr().out == '\n'.join(expected) + '\n'
+
+
+def test_levers_table_and_figure_from_metrics(tmp_path):
+  def metrics(name, validation, loss=3.14):
+    os.makedirs(tmp_path / name)
+    rows = [{'step': 1, 'split': 'train', 'train/loss': loss}]
+    rows += [{'step': s, 'split': 'validation', 'validation/accuracy': a} for s, a in validation]
+    with open(tmp_path / name / 'metrics.jsonl', 'w') as f:
+      f.write(''.join(json.dumps(r) + '\n' for r in rows))
+  metrics('fast', [(200, 0.25), (400, 0.5), (600, 0.6255)])
+  metrics('adamw', [(200, 0.3), (400, 0.4)], loss=2.96)
+  metrics('no_validation', [])  # Skipped: no validation accuracy yet.
+  reports.main(['levers', f'--root={tmp_path}'])
+  assert open(tmp_path / 'levers.md').read().splitlines() == [
+      '| run | first logged loss | validation accuracy half way | at the end (step) |',
+      '|---|---|---|---|',
+      '| adamw | 3.0 | 0.400 | 0.400 (400) |',
+      '| fast | 3.1 | 0.500 | 0.625 (600) |']
+  assert os.path.getsize(tmp_path / 'levers.png') > 0
