@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cht_jax import checkpoints
 from cht_jax import continual
 from cht_jax import evaluate
 from cht_jax import losses
@@ -46,6 +45,7 @@ from cht_jax import models
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.models import hypertransformer as ht_lib
+from cht_jax.runtime import checkpoints
 
 
 class Model(NamedTuple):
@@ -126,7 +126,7 @@ def load_model(workdir: str, config: ml_collections.ConfigDict | None = None,
   Raises:
     FileNotFoundError: `workdir` does not exist, or holds no config.json and
       `config` is None.
-    checkpoints.CheckpointError (cht_jax/checkpoints.py): no checkpoint (of
+    checkpoints.CheckpointError (cht_jax/runtime/checkpoints.py): no checkpoint (of
       `step`), or one of another config.
   """
   if not os.path.isdir(workdir):

@@ -449,7 +449,7 @@ def validate(config: Any, num_devices: int | None = None) -> ml_collections.Conf
   problems = _field_problems(_leaves(config))
   if not problems:  # Relations between fields need each field to be valid.
     if num_devices is None:
-      from cht_jax import devices  # pylint: disable=g-import-not-at-top
+      from cht_jax.runtime import devices  # pylint: disable=g-import-not-at-top
       num_devices = devices.num_data_devices(config.train.episodes_per_step)
     problems = (_episode_problems(config) + _model_problems(config, num_devices)
                 + _method_problems(config))

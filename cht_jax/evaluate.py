@@ -41,16 +41,16 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from cht_jax import checkpoints
 from cht_jax import continual
-from cht_jax import devices
 from cht_jax import methods
 from cht_jax import metrics
 from cht_jax import reports
-from cht_jax import workdir as workdir_lib
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.data import omniglot
+from cht_jax.runtime import checkpoints
+from cht_jax.runtime import devices
+from cht_jax.runtime import workdir as workdir_lib
 
 DEFAULT_SEED = 0  # Evaluation episodes; independent of config.seed.
 MATRICES = reports.MATRICES
@@ -235,7 +235,7 @@ def run_protocol(method: methods.Method, params, class_images, protocol: Protoco
                                       ', or use --eval_split=test (more classes).')) from None
   class_images = jnp.asarray(class_images)
   # Uncommitted copies: restored parameters sit on one device, and the batch
-  # may spread over several (one per core on CPU, cht_jax/devices.py).
+  # may spread over several (one per core on CPU, cht_jax/runtime/devices.py).
   params = jax.tree.map(jnp.asarray, jax.device_get(params))
   key = jax.random.key(protocol.seed)
   # Whole multiples of the device count, at most what is needed.

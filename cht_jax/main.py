@@ -33,12 +33,12 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from cht_jax import checkpoints
 from cht_jax import config_validation
-from cht_jax import devices
 from cht_jax import evaluate
-from cht_jax import preemption
 from cht_jax import train
+from cht_jax.runtime import checkpoints
+from cht_jax.runtime import devices
+from cht_jax.runtime import preemption
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and logs go (default: '

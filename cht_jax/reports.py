@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cht_jax import workdir as workdir_lib
+from cht_jax.runtime import workdir as workdir_lib
 
 MATRICES = ('task_incremental', 'class_incremental', 'class_incremental_cumulative')
 

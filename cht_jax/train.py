@@ -10,12 +10,12 @@ Reliability (docs/reliability.md):
 * The data of step s depend only on (config.seed, s), so a run resumed from
   the checkpoint of step s repeats, bit for bit, what an uninterrupted run
   does after step s.
-* Checkpoints are written whole or not at all (checkpoints.py). SIGTERM
-  (preemption.py) saves a checkpoint of the current step before the process
+* Checkpoints are written whole or not at all (runtime/checkpoints.py). SIGTERM
+  (runtime/preemption.py) saves a checkpoint of the current step before the process
   exits with status 143.
 * A step whose loss, gradient or generated weights are not finite changes
   nothing but the step count; `train.on_divergence` decides whether the run
-  then stops or goes on (divergence.py).
+  then stops or goes on (runtime/divergence.py).
 * The config is checked before anything is read or compiled, the workdir
   before anything is downloaded, and a checkpoint against the config before
   it is restored; each failure is one of `USER_ERRORS`, whose message names
@@ -34,17 +34,17 @@ import ml_collections
 import numpy as np
 import optax
 
-from cht_jax import checkpoints
 from cht_jax import config_validation
-from cht_jax import devices
-from cht_jax import divergence
 from cht_jax import evaluate
 from cht_jax import methods
-from cht_jax import preemption
-from cht_jax import workdir as workdir_lib
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.data import omniglot
+from cht_jax.runtime import checkpoints
+from cht_jax.runtime import devices
+from cht_jax.runtime import divergence
+from cht_jax.runtime import preemption
+from cht_jax.runtime import workdir as workdir_lib
 
 # Errors whose message is the whole story: `main` prints it without traceback.
 USER_ERRORS = (config_validation.ConfigError, omniglot.DataError, divergence.DivergenceError,

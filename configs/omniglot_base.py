@@ -164,7 +164,7 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   # Not the paper's: > 1 rolls back finite collapses. A log window whose mean
   # training loss exceeds this times the lowest of the windows before goes back
   # to the state of two windows earlier, at half the learning rate from there
-  # (cht_jax/divergence.py, train.py; docs/reliability.md). 0 = off.
+  # (cht_jax/runtime/divergence.py, train.py; docs/reliability.md). 0 = off.
   config.train.loss_spike_factor = 0.0
 
   # The Table 1 baselines' settings (method 'finetune', 'ewc', 'maml';

@@ -14,7 +14,7 @@
 # 1. Speed: the T=5 training step at 64 and 256 episodes per step without
 #    rematerialisation (the recipe's setting), float32 against bfloat16 convolutions
 #    (model.compute_dtype), with a profile of where the device time goes
-#    (cht_jax/profiling.py; the trace and the optimised HLO are kept); then T=1.
+#    (cht_jax/tools/profiling.py; the trace and the optimised HLO are kept); then T=1.
 # 2. Recipe: configs/omniglot_t5.py:fast trained for what is left of the budget (the
 #    faster remat setting, the number of steps sized from the measured speed), then
 #    the full evaluation protocol (launch/fast_table1.py).
@@ -56,17 +56,17 @@ quiet() { grep -v -E '^[IW][0-9]{4} |^WARNING: All log|oneDNN'; }
 
 if [ "$SPEED" = 1 ]; then
 say "1. speed: T=$BENCH_TASKS, remat off, float32, $BATCH_SIZES episodes per step, profiled"
-timeout 150 python3 -m cht_jax.bench --config=$BENCH_CONFIG --tasks=$BENCH_TASKS \
+timeout 150 python3 -m cht_jax.tools.bench --config=$BENCH_CONFIG --tasks=$BENCH_TASKS \
     --config.model.remat=False --batch_sizes=$BATCH_SIZES --min_seconds=2 --extras=false \
     --count_flops=false --profile_steps=3 --trace_dir=/tmp/cht_trace \
     --output="$OUT/bench_f32.json" 2>&1 | quiet | tee -a "$LOG"
 say "1. speed: T=$BENCH_TASKS, remat off, bfloat16 convolutions (model.compute_dtype)"
-timeout 120 python3 -m cht_jax.bench --config=$BENCH_CONFIG --tasks=$BENCH_TASKS \
+timeout 120 python3 -m cht_jax.tools.bench --config=$BENCH_CONFIG --tasks=$BENCH_TASKS \
     --config.model.remat=False --config.model.compute_dtype=bfloat16 \
     --batch_sizes=$BATCH_SIZES --min_seconds=2 --extras=false --count_flops=false \
     --output="$OUT/bench_bf16.json" 2>&1 | quiet | tee -a "$LOG"
 say "1. speed: T=1, remat off, float32, $T1_BATCH_SIZES episodes per step"
-timeout 90 python3 -m cht_jax.bench --config=$BENCH_CONFIG --tasks=1 \
+timeout 90 python3 -m cht_jax.tools.bench --config=$BENCH_CONFIG --tasks=1 \
     --config.model.remat=False --batch_sizes=$T1_BATCH_SIZES --min_seconds=2 --extras=false \
     --count_flops=false --output="$OUT/bench_t1.json" 2>&1 | quiet | tee -a "$LOG"
 # The first batch size's trace and HLO (only the HLO if the archive would be too big).

@@ -10,10 +10,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from cht_jax import api
-from cht_jax import checkpoints
-from cht_jax import devices
 from cht_jax import methods
 from cht_jax import train
+from cht_jax.runtime import checkpoints
+from cht_jax.runtime import devices
 
 from conftest import class_images, tiny_config
 

@@ -13,7 +13,6 @@ import pytest
 
 from cht_jax import config_validation
 from cht_jax import continual
-from cht_jax import devices
 from cht_jax import evaluate
 from cht_jax import losses
 from cht_jax import methods
@@ -22,6 +21,7 @@ from cht_jax import train
 from cht_jax.methods import merged_ht
 from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import hypertransformer as ht_lib
+from cht_jax.runtime import devices
 
 from conftest import REPO_ROOT, class_images, make_episode
 

@@ -3,8 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 
-from cht_jax import bench
-from cht_jax import profiling
+from cht_jax.tools import bench
+from cht_jax.tools import profiling
 from conftest import tiny_config
 
 

@@ -10,8 +10,8 @@ import sys
 import time
 
 from cht_jax import config_validation
-from cht_jax import preemption
-from cht_jax import workdir as workdir_lib
+from cht_jax.runtime import preemption
+from cht_jax.runtime import workdir as workdir_lib
 from conftest import REPO_ROOT, tiny_config
 from test_reliability import complete_steps, env, error_line, finish, run, start  # pylint: disable=unused-import
 from test_reliability import trained_steps, wait_for
@@ -116,7 +116,7 @@ def test_a_failed_start_reports_evaluation_needs_and_leaves_no_folders(tmp_path,
 
 def test_orbax_info_and_tracebacks_are_filtered_unless_verbose():
   import logging  # pylint: disable=g-import-not-at-top
-  from cht_jax import checkpoints  # pylint: disable=g-import-not-at-top
+  from cht_jax.runtime import checkpoints  # pylint: disable=g-import-not-at-top
   quiet = checkpoints._QuietOrbax()  # pylint: disable=protected-access
   record = lambda path, level, exc=None: logging.LogRecord('absl', level, path, 1, 'm', (), exc)
   orbax = os.path.join(os.sep, 'site-packages', 'orbax', 'checkpoint', 'checkpoint_manager.py')

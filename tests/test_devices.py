@@ -9,7 +9,7 @@ from conftest import REPO_ROOT
 
 _PROBE = '''
 import json, sys
-from cht_jax import devices
+from cht_jax.runtime import devices
 set_count = devices.use_cpu_cores()
 import jax
 print(json.dumps({
@@ -51,7 +51,7 @@ def test_an_explicit_device_count_wins_and_the_batch_takes_the_devices_that_divi
 def test_importing_the_entry_points_starts_no_backend():
   # main sets the CPU device count and may call jax.distributed.initialize():
   # both need a backend that has not started, so no import may create an array.
-  for module in ('cht_jax.main', 'cht_jax.bench'):
+  for module in ('cht_jax.main', 'cht_jax.tools.bench'):
     code = (f'import {module}\n'
             'from jax._src import xla_bridge\n'
             'print(xla_bridge.backends_are_initialized())')

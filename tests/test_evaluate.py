@@ -15,9 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from cht_jax import api
-from cht_jax import checkpoints
 from cht_jax import continual
-from cht_jax import devices
 from cht_jax import evaluate
 from cht_jax import methods
 from cht_jax import plots
@@ -26,6 +24,8 @@ from cht_jax import train
 from cht_jax.data import datasets
 from cht_jax.data import episodes
 from cht_jax.models import hypertransformer as ht_lib
+from cht_jax.runtime import checkpoints
+from cht_jax.runtime import devices
 
 from conftest import REPO_ROOT, class_images, tiny_config
 

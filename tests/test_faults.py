@@ -20,11 +20,11 @@ from conftest import REPO_ROOT, class_images, tiny_config
 import numpy as np
 import pytest
 
-from cht_jax import checkpoints
-from cht_jax import devices
 from cht_jax import reports
-from cht_jax import workdir as workdir_lib
 from cht_jax.data import omniglot
+from cht_jax.runtime import checkpoints
+from cht_jax.runtime import devices
+from cht_jax.runtime import workdir as workdir_lib
 
 LAUNCHER = os.path.join(REPO_ROOT, 'launch', 'local_multiprocess.py')
 
@@ -173,7 +173,7 @@ def last_lines(stderr):
 def test_a_config_file_that_fails_to_load_is_one_line(tmp_path, source, line, env):
   path = tmp_path / 'broken.py'
   path.write_text(source)
-  # In a process of its own: cht_jax.main defines absl flags that cht_jax.bench, imported
+  # In a process of its own: cht_jax.main defines absl flags that cht_jax.tools.bench, imported
   # by other tests, defines too.
   code = ('import sys\nfrom cht_jax import main\ntry:\n'
           '  main.FLAGS["config"].parser.parse(sys.argv[1])\n'

@@ -9,14 +9,16 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / 'cht_jax'
 
 # Each group may import only groups listed before it (and itself).
 FLOORS = (
-    ('kernels', 'models', 'data', 'losses', 'metrics', 'devices'),  # The math and the data.
-    ('continual', 'config_validation'),
-    ('checkpoints', 'workdir', 'preemption', 'divergence', 'reports', 'plots',
-     'profiling'),  # Infrastructure.
+    ('kernels', 'models', 'data', 'losses', 'metrics'),  # The math and the data.
+    # Infrastructure; below the core, as config validation asks devices how many
+    # devices a batch is split over. It imports nothing else of the package.
+    ('runtime',),
+    ('continual', 'config_validation'),  # The core: Algorithm 1's scan; the config's rules.
+    ('reports', 'plots'),  # Result files and figures.
     ('baselines', 'methods'),  # What produces theta_t.
     ('evaluate',),  # The protocol.
     ('train', 'api'),
-    ('main', 'bench', 'bench_pipeline'),  # Entry points.
+    ('main', 'tools'),  # Entry points.
 )
 
 

@@ -22,14 +22,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from cht_jax import checkpoints
-from cht_jax import devices
-from cht_jax import divergence
 from cht_jax import methods
-from cht_jax import preemption
 from cht_jax import train
-from cht_jax import workdir as workdir_lib
 from cht_jax.data import omniglot
+from cht_jax.runtime import checkpoints
+from cht_jax.runtime import devices
+from cht_jax.runtime import divergence
+from cht_jax.runtime import preemption
+from cht_jax.runtime import workdir as workdir_lib
 
 TINY = ['--config=configs/omniglot_t2.py:tiny', '--config.train.eval_every_steps=0']
 TMP = '*.orbax-checkpoint-tmp*'

@@ -7,11 +7,11 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from cht_jax import checkpoints
 from cht_jax import continual
-from cht_jax import devices
 from cht_jax import methods
 from cht_jax import train
+from cht_jax.runtime import checkpoints
+from cht_jax.runtime import devices
 from conftest import class_images, make_episode, tiny_config
 
 

@@ -32,12 +32,12 @@ import jax.numpy as jnp
 import ml_collections
 
 from cht_jax import continual
-from cht_jax import devices
 from cht_jax.baselines import sequential
 from cht_jax.data import augment as augment_lib
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.data import pipeline
+from cht_jax.runtime import devices
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from cht_jax import devices
 from cht_jax.baselines import maml
 from cht_jax.baselines import pretrain
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.methods import base
+from cht_jax.runtime import devices
 
 
 @dataclasses.dataclass(frozen=True)

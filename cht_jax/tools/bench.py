@@ -1,6 +1,6 @@
 r"""Benchmark: training and evaluation speed, compile time, generation latency, memory.
 
-  python -m cht_jax.bench --config=configs/omniglot_t5.py --tasks=1,5 \
+  python -m cht_jax.tools.bench --config=configs/omniglot_t5.py --tasks=1,5 \
       --batch_sizes=1,8,32 --output=bench.json
 
 Times the same jit-compiled `train.make_train_step` that training runs, on
@@ -31,13 +31,13 @@ from ml_collections import config_flags
 
 from cht_jax import api
 from cht_jax import continual
-from cht_jax import devices
 from cht_jax import methods
 from cht_jax import models
-from cht_jax import profiling
 from cht_jax import train
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
+from cht_jax.runtime import devices
+from cht_jax.tools import profiling
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'A config file (see configs/).')
@@ -47,7 +47,7 @@ flags.DEFINE_integer('min_seconds', 10, 'Time each setting for at least this lon
 flags.DEFINE_integer('num_classes', 1150, 'Classes in the fake training split.')
 flags.DEFINE_string('output', None, 'Where to write the table as JSON.')
 flags.DEFINE_bool('cpu_cores_as_devices', True, 'On CPU, one JAX device per core, as '
-                  'training runs (cht_jax/devices.py); False: one CPU device.')
+                  'training runs (cht_jax/runtime/devices.py); False: one CPU device.')
 flags.DEFINE_bool('extras', True, 'Also time the sampler alone, the forward pass '
                   '(evaluation) and generation latency; False: the training step only.')
 flags.DEFINE_bool('count_flops', True, "Count an episode's FLOPs with XLA's cost analysis "
@@ -214,8 +214,8 @@ def generation_latency(config, class_images, min_seconds: float) -> dict[str, fl
   Returns the median, mean and 90th percentile of the former over the calls
   (one at a time, each waiting for its result), their number, the median of
   the fastest of three consecutive rounds of them (as `_time` takes the
-  fastest round: this VM has slow phases of seconds in which a call takes
-  ~1.4x longer), and the latter's median.
+  fastest round: a shared machine has slow phases of seconds in which every
+  call takes longer), and the latter's median.
   """
   ht = models.build_hypertransformer(config)
   spec = datasets.episode_spec(config)

@@ -4,7 +4,7 @@
   <workdir>/config.json     the config of the last run (written atomically)
   <workdir>/metrics.jsonl   one JSON row per logged step and split, for scripts
   <workdir>/events.out.*    the same scalars for TensorBoard
-  <workdir>/checkpoints/    Orbax (cht_jax/checkpoints.py)
+  <workdir>/checkpoints/    Orbax (cht_jax/runtime/checkpoints.py)
 
 Files are written with the permissions the umask gives (a group on a shared
 cluster can read the results).

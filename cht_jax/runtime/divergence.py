@@ -8,7 +8,7 @@ reads the fetched metrics and says when `train.on_divergence` stops the run:
 in a row.
 
 A collapse can also stay finite: at high learning rates the training loss has
-jumped 2-3x within a few hundred steps and never come back (docs/recipe.md,
+jumped within a few hundred steps and never come back (docs/results.md,
 sections 3, 6 and 10). `LossSpikes` says when a log window's mean loss is such
 a jump; with `train.loss_spike_factor` the loop then rolls back to an earlier
 state and goes on at a lower learning rate (train.py).
@@ -29,8 +29,8 @@ WATCHED = {'loss': 'the loss', 'grad_norm': 'the gradient norm',
 # train.loss_spike_factor x the lowest of up to SPIKE_REFERENCE_WINDOWS earlier
 # healthy windows (at least SPIKE_MIN_WINDOWS of them, none from before one of
 # `LossSpikes`'s reset steps). The lowest, not the median: while the loss still
-# falls fast, the median lags behind it (the first jump of a collapse at lr 5e-3,
-# 4.5 -> 6.0, was 1.07x the median of the five windows before, 1.32x their lowest).
+# falls fast, the median lags behind it, and the first jump of a collapse can be
+# well above the lowest of the windows before while barely above their median.
 SPIKE_REFERENCE_WINDOWS = 5
 SPIKE_MIN_WINDOWS = 3
 # After a rollback the learning rate is this times what it was, from the step

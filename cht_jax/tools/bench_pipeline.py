@@ -1,7 +1,7 @@
 """Does the host pipeline keep up with the training step at 84x84?
 
 Usage:
-  python -m cht_jax.bench_pipeline [--mode=both|pipeline|step]
+  python -m cht_jax.tools.bench_pipeline [--mode=both|pipeline|step]
       [--config=configs/tiered_imagenet_t2.py] [--num_steps=20]
 
 * pipeline: writes a fake tieredImageNet-shaped pickled release (84x84 RGB
@@ -97,10 +97,10 @@ def bench_pipeline(config, num_steps: int) -> dict:
 
 def bench_step(config, num_steps: int) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
-  from cht_jax import devices  # pylint: disable=g-import-not-at-top
   from cht_jax import methods  # pylint: disable=g-import-not-at-top
   from cht_jax import train  # pylint: disable=g-import-not-at-top
   from cht_jax.data import datasets  # pylint: disable=g-import-not-at-top
+  from cht_jax.runtime import devices  # pylint: disable=g-import-not-at-top
   method = methods.build(config)
   optimizer = train.make_optimizer(config.optim)
   mesh = devices.data_mesh(config.train.episodes_per_step)

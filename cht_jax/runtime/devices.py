@@ -4,8 +4,8 @@ mean gradient over them.
 XLA:CPU runs this model's thousands of small operations one after another,
 each on few threads, so one CPU device leaves cores idle. Made one device per
 core (`use_cpu_cores`), the same data-parallel step as on GPUs gives each core
-its own share of the episodes: 1.15-1.35x more episodes/s at 8-32 episodes per
-step on 2 cores (docs/performance.md).
+its own share of the episodes, and more episodes per second than one device
+(measured in docs/performance.md).
 
 Several processes (`initialize_distributed`): a bounded wait for the
 coordinator, and a watch that names a process of the job that is gone.

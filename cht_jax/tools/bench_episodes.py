@@ -1,6 +1,6 @@
 """Times jit-compiled `sample_episodes` on random Omniglot-shaped data.
 
-Usage: python -m cht_jax.data.bench_episodes [--num_iters=50]
+Usage: python -m cht_jax.tools.bench_episodes [--num_iters=50]
 Config: T=5 tasks, 20-way 1-shot, 3 queries per class, training rotations,
 class images uint8 [1150, 20, 28, 28, 1], episodes per call B in {1, 8, 32}.
 """

@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from cht_jax import devices
+from cht_jax.runtime import devices
 
 
 class CheckpointError(RuntimeError):
