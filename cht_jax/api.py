@@ -2,7 +2,7 @@
 
 No training: the HyperTransformer of a checkpoint writes the CNN's weights
 from a labelled support set, and rewrites them for each new task from the
-new support set and the weights it wrote before (DESIGN.md 1.1, 1.4).
+new support set and the weights it wrote before (paper, eq. 1; prototypes: eq. 4).
 
   from cht_jax import api
   model = api.load_model('workdirs/omniglot_t5')   # the training workdir
@@ -87,8 +87,8 @@ def compile_generator(ht: ht_lib.HyperTransformer, params: Any):
   One task's `continual.generate_task`, jitted with the parameters as
   constants of the compiled program rather than arguments: a call then skips
   the handling of ~280 parameter buffers, and XLA folds what depends on the
-  parameters alone. 1.38 against 1.68-1.72 ms per Omniglot task on the 2-core
-  CPU (docs/performance.md); the numbers are equal up to float rounding.
+  parameters alone: faster per task (docs/performance.md); the numbers are equal
+  up to float rounding.
   """
   return jax.jit(lambda images, labels, theta_prev, unlabeled=None: continual.generate_task(
       ht, params, images, labels, theta_prev, unlabeled))

@@ -105,8 +105,7 @@ VECTORIZE_OPTIONS = ('auto', 'vmap', 'loop')
 def default_vectorize() -> bool:
   """Whether to vmap the per-pair query passes and the episodes of a batch: on
   accelerators yes; on CPU a loop (one 60-image batch at a time stays in cache)
-  measured 1.4x faster for training and ~3x for evaluation (docs/performance.md,
-  docs/evaluation.md)."""
+  is faster for training and evaluation (docs/performance.md, docs/evaluation.md)."""
   return jax.default_backend() != 'cpu'
 
 
@@ -131,9 +130,9 @@ def remat_option(option: str | bool, vectorize: bool, num_tasks: int) -> bool:
   (accelerators), for memory: the activations of the whole batch would be held
   for the backward pass. Where they are looped (CPU), only one episode's are,
   and speed decides (docs/performance.md): at T <= 2 recomputing them costs
-  20-25% of the step; from T = 3 on, the scan over tasks storing every task's
-  residuals costs more than recomputing them (2x at T = 5), so it remats. The
-  strings 'True' and 'False' count as the booleans.
+  time; from T = 3 on, the scan over tasks storing every task's residuals costs
+  more than recomputing them, so it remats. The strings 'True' and 'False'
+  count as the booleans.
   """
   option = {'true': True, 'false': False}.get(str(option).lower(), option)
   if option not in REMAT_OPTIONS or (option != 'auto' and not isinstance(option, bool)):

@@ -3,7 +3,7 @@ r"""The paper's evaluation protocol, for every method, on a checkpoint or parame
   python -m cht_jax.main --mode=eval --config=configs/omniglot_t5.py --workdir=DIR \
       [--eval_tasks=5] [--checkpoint_step=N] [--eval_split=test]
 
-Protocol (DESIGN.md 1.5): `num_episodes` episodes of T_eval tasks drawn from
+Protocol (paper, "Experiments"): `num_episodes` episodes of T_eval tasks drawn from
 the split (test by default) with a seed of their own, so that every model is
 scored on the same episodes. For each episode the method produces
 theta_0..theta_{T_eval-1} (and, for CHT, the frozen prototypes) once from the

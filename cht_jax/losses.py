@@ -1,4 +1,4 @@
-"""Prototypical (class- and task-incremental) and cross-entropy losses (DESIGN.md 1.4).
+"""Prototypical (class- and task-incremental) and cross-entropy losses (paper, eqs. 4-6).
 
 All functions work on one query set Q(tau) embedded with one theta_t; the
 continual step vmaps them over the (t, tau) pairs with tau <= t.

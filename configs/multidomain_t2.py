@@ -1,9 +1,9 @@
 """Multi-domain, T=2 tasks of 5-way 1-shot, each from its own domain (paper 5.3).
 
-The six TFDS datasets of DESIGN.md 1.1 (data/multidomain.py), 84x84 RGB,
+The paper's six TFDS datasets (data/multidomain.py), 84x84 RGB,
 each with its own 70/15/15 class split, the first 20 images of each class
-kept in memory (Omniglot has 20). 16 channels, 32-dim final layer (DESIGN.md
-1.2). Not stated in the paper, so chosen here: the 84x84 size, the
+kept in memory (Omniglot has 20). 16 channels, 32-dim final layer (the
+paper's). Not stated in the paper, so chosen here: the 84x84 size, the
 tieredImageNet transformer (1 layer, 8 heads), 10 queries per class, no
 augmentation. Variants (`--config=configs/multidomain_t2.py:tiny`):
   (none)  the settings above.

@@ -1,4 +1,4 @@
-"""Shared settings of the Omniglot experiments (DESIGN.md 1.2-1.5).
+"""Shared settings of the Omniglot experiments (paper, "Experiments").
 
 Not a config file itself: `omniglot_t{1..5}.py` call `get_config` with their
 number of tasks and learning rate. Variants, chosen with the config file's
@@ -23,8 +23,8 @@ VARIANTS = variants.NAMES
 # Steps of the 'smoke' variant by number of tasks (300 from T = 5 on).
 SMOKE_STEPS = {1: 1500, 2: 800, 3: 500, 4: 400, 5: 300}
 # Steps of the 'fast' variant by number of tasks, at FAST_EPISODES_PER_STEP
-# episodes a step: sized for about 5 minutes of one H100/H200 (README). On a
-# CPU: --config.train.episodes_per_step=1 --config.train.num_steps=<budget>.
+# episodes a step: sized for minutes of one H100/H200 (docs/results.md, section 1).
+# On a CPU: --config.train.episodes_per_step=1 --config.train.num_steps=<budget>.
 FAST_STEPS = {1: 6000, 2: 5000, 3: 4500, 4: 4000, 5: 4000}
 FAST_EPISODES_PER_STEP = 64
 
@@ -174,8 +174,9 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.baseline.inner_learning_rate = 0.1  # Their rate (MAML++: the initial LSLR).
   config.baseline.head_init = 'zeros'  # Fresh K*T head of the pretrained CNN: or 'glorot'.
   config.baseline.pretrain_batch_size = 128  # Images per pretraining step.
-  config.baseline.ewc_lambda = 10.0  # Best of 0, 1, 3, 10 on validation (README); SGD on the
+  # Best of 0, 1, 3, 10 on validation (docs/results.md, section 15); SGD on the
   # penalty is stable only while inner_learning_rate * ewc_lambda * max(Fisher) < 2.
+  config.baseline.ewc_lambda = 10.0
   config.baseline.ewc_fisher = 'empirical'  # or 'true' (expectation under the model).
   config.baseline.maml_learn_inner_lr = True  # LSLR: learned per-layer per-step rates.
   config.baseline.maml_first_order_steps = 0  # First-order for this many meta-steps.

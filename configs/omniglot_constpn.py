@@ -1,4 +1,4 @@
-"""ConstPN baseline on Omniglot (paper section 5.2; DESIGN.md 1.5).
+"""ConstPN baseline on Omniglot (paper section 5.2).
 
   --config=configs/omniglot_constpn.py:T[,variant]    e.g. :5 or :2,smoke
 

@@ -1,4 +1,4 @@
-"""Shared settings of the tieredImageNet experiments (DESIGN.md 1.1-1.5).
+"""Shared settings of the tieredImageNet experiments (paper, "Experiments").
 
 Not a config file itself: `tiered_imagenet_t{2..5}.py` call `get_config` with
 their number of tasks. Built on `omniglot_base` (the same fields), changed

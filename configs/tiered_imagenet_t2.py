@@ -1,4 +1,4 @@
-"""tieredImageNet, T=2 tasks of 5-way 5-shot (DESIGN.md 1.1-1.5)."""
+"""tieredImageNet, T=2 tasks of 5-way 5-shot (paper, "Experiments")."""
 
 from configs import tiered_imagenet_base
 

@@ -19,8 +19,8 @@ sizes itself. What every dataset's variant shares is written once here:
          support set (model.feature_norm), Adam with linear warmup over the
          first 5% of the steps then cosine decay to 0 over the rest, a batch of
          episodes per step, no rotation augmentation (short runs underfit:
-         rotated copies of the training classes cost 3-4 validation points at 10
-         CPU minutes), finite collapses rolled back (train.loss_spike_factor),
+         rotated copies of the training classes cost validation accuracy;
+         docs/results.md, section 5), finite collapses rolled back (train.loss_spike_factor),
          the first two conv blocks trained rather than written
          (model.trained_layers), and each written layer a learned base plus the
          transformer's output (model.learned_base; without it a 16-channel CNN
@@ -51,33 +51,31 @@ def fast(config: ml_collections.ConfigDict, num_steps: int, episodes_per_step: i
          head_scale: float = 0.1, learning_rate: float = 1e-3) -> None:
   """Turns `config` into its 'fast' recipe of `num_steps` steps."""
   config.model.head_scale = head_scale
-  # The image-dependent part of the tokens starts 10-500x smaller than the label
-  # embeddings; normalised, it gave +0.3 to +1.0 points on test tasks 0-1 and
-  # +0.004 to +0.033 validation accuracy in three seed pairs of 10 CPU minutes
-  # (docs/recipe.md, section 8).
+  # The image-dependent part of the tokens starts orders of magnitude smaller than
+  # the label embeddings; normalised, it raised test and validation accuracy in
+  # every seed pair (docs/results.md, section 8).
   config.model.feature_norm = True
-  # No rematerialisation: 1.28x the steps/s of 'auto' at T=5, 64 episodes, on an H200
-  # (docs/performance.md), 10.8 GB.
+  # No rematerialisation: faster than 'auto' at T=5, 64 episodes, on an H200, and the
+  # memory fits (docs/performance.md).
   config.model.remat = False
   # The paper's per-class rotations quadruple the training classes; within a
   # budget of minutes the model underfits, and they cost validation accuracy
-  # (docs/recipe.md, section 5: 0.717 against 0.745 and 0.760, T=2, 10 CPU minutes).
+  # (docs/results.md, section 5).
   config.data.rotate = False
-  # Rolls back finite collapses (docs/reliability.md). A healthy screen's 50-step windows
-  # never rose over 1.005x the lowest of the five before; at lr 6e-3 the first jump
-  # of a collapse was 1.12x: rolled back, the screen ended at 0.70 validation
-  # accuracy, against 0.39 without (docs/recipe.md, section 11).
+  # Rolls back finite collapses (docs/reliability.md). The factor sits above what a
+  # healthy run's loss windows ever rose and below the first jump of a collapse;
+  # rolled back, a collapsing screen ended far above the same run without
+  # (docs/results.md, section 11).
   config.train.loss_spike_factor = 1.1
   # The first two conv blocks as ordinary trained parameters (the original HT's
   # number_of_trained_cnn_layers); the transformers write blocks 2-3 and the head.
-  # 1.5x the steps/s at 8 channels and +1.0 point on test tasks 0-1 over three seed
-  # pairs of 10 CPU minutes; +1.2 at 16 channels, one seed (docs/recipe.md, sections 12-13).
+  # More steps/s and higher test accuracy at 8 and 16 channels (docs/results.md,
+  # sections 12-13).
   config.model.trained_layers = 2
-  # Each written layer is a learned task-independent base plus 0.1x (a learned
-  # scale) what its transformer writes. At 16 channels the written CNN does not
-  # start to learn without it (validation 0.18 against 0.71 after 300 steps); with
-  # it 10 CPU minutes reach 91.4 / 86.2 on test tasks 0 / 0-1. At 8 channels it costs
-  # 0.3-0.6 points, within the spread of seeds (docs/recipe.md, section 13).
+  # Each written layer is a learned task-independent base plus its transformer's
+  # output times a learned scale that starts at this value. At 16 channels the
+  # written CNN does not start to learn without it; at 8 channels it costs less
+  # than the spread of seeds (docs/results.md, section 13).
   config.model.learned_base = 0.1
   optim = config.optim
   optim.name = 'adam'

@@ -1,15 +1,15 @@
 r"""Trains a ':fast' config, evaluates it with the full protocol, and gathers the results.
 
-  # Table 1's CHT row at T=5 on one GPU (README, "Results in minutes"):
+  # Table 1's CHT row at T=5 on one GPU (docs/results.md, section 1):
   python launch/fast_table1.py --workdir=results/fast_t5 -- \
       --config=configs/omniglot_t5.py:fast --config.data.data_dir=$HOME/tensorflow_datasets
 
   # The CPU version of the T=2 check (issue 16): 10 minutes of training on 2 cores
-  # (docs/recipe.md, sections 5, 12, 13); the paper's 8-channel CNN ...
+  # (docs/results.md, sections 5, 12, 13); the paper's 8-channel CNN ...
   python launch/fast_table1.py --workdir=results/fast_t2_cpu --train_seconds=600 -- \
       --config=configs/omniglot_t2.py:fast --config.train.episodes_per_step=8 \
       --config.optim.learning_rate=0.0028 --config.train.num_steps=6000
-  # ... and its 16-channel one (the paper's appendix width), half the steps/s.
+  # ... and its 16-channel one (the paper's appendix width), with fewer steps.
   python launch/fast_table1.py --workdir=results/fast_t2_cpu_16ch --train_seconds=600 -- \
       --config=configs/omniglot_channels.py:16,2,fast --config.train.episodes_per_step=8 \
       --config.optim.learning_rate=0.0028 --config.train.num_steps=3400

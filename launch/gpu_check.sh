@@ -6,7 +6,7 @@
 #   SPEED=0 STEPS_PER_S=25 FAST_FLAGS=--config.train.episodes_per_step=16 ... 560
 #                                               # the recipe at 16 episodes per step
 #   SPEED=0 STEPS_PER_S=12 FAST_CONFIG=configs/omniglot_channels.py:16,5,fast ... 585
-#                                               # the 16-channel CNN (docs/recipe.md, 13)
+#                                               # the 16-channel CNN (docs/results.md, 13)
 #   ... bash launch/gpu_check.sh 330            # the speed part alone (about 5 minutes)
 # On a machine that receives the tree without its git history (the lent GPU machines),
 # CHT_COMMIT=<commit> names the commit in results.json.
@@ -19,7 +19,7 @@
 #    faster remat setting, the number of steps sized from the measured speed), then
 #    the full evaluation protocol (launch/fast_table1.py).
 # 3. Whether the trained model's generated CNN depends on its task: accuracy with a
-#    task's own theta against another task's (examples/task_specificity.py).
+#    task's own theta against another task's (diagnostics/task_specificity.py).
 # Needs JAX, flax, optax, orbax-checkpoint, chex, absl-py, ml_collections (wheels in
 # .whl/ are installed first, for machines without them) and an Omniglot cache
 # (<DATA_DIR>/cht_jax_cache/omniglot_ht_2022_28.npz, written by any earlier run that
@@ -41,7 +41,7 @@ FAST_CONFIG=${FAST_CONFIG:-configs/omniglot_t5.py:fast}
 FAST_FLAGS=${FAST_FLAGS:-}
 SPEED=${SPEED:-1}  # 0: skip part 1; the recipe's steps are sized from an H200's speed.
 # The recipe's speed in steps/s, to size its schedule (default: part 1's measurement at
-# the first batch size, else an H200's 18.4 at 64 episodes per step). Set it when
+# the first batch size, else an H200's speed at 64 episodes per step). Set it when
 # FAST_FLAGS changes the episodes per step: too high and the time guard cuts the run
 # before its learning rate has decayed; too low and the schedule ends early.
 STEPS_PER_S=${STEPS_PER_S:-}
@@ -93,7 +93,7 @@ try:
 except (OSError, ValueError, KeyError):
   rows = []
 measured = [row['steps_per_s'] for row in rows if row['episodes_per_step'] == batch]
-# Without part 1: 18.4 steps/s, one H200 at T=5, 64 episodes, remat off (docs/performance.md).
+# Without part 1: one H200's steps/s at T=5, 64 episodes, remat off (docs/performance.md).
 steps_per_s = given or max(measured, default=0.0) or 18.4
 print(max(200, int(0.85 * steps_per_s * (seconds - 70)) // 100 * 100))
 EOF
@@ -104,7 +104,7 @@ python3 launch/fast_table1.py --workdir=/tmp/fast_t5 --train_seconds="$TRAIN_SEC
     --config.train.num_steps="$STEPS" \
     --eval_batch_size=64 $FAST_FLAGS 2>&1 | quiet | tee -a "$LOG"
 cp /tmp/fast_t5/curve.png "$OUT/" 2>/dev/null
-# The results first, then the last checkpoint on its own (about 11 MB: a later session
+# The results first, then the last checkpoint on its own (small: a later session
 # can carry it back to resume the run or study the trained model), then part 3, so
 # that a check cut by the command's time limit still returns what it finished.
 pack_results() {
@@ -114,8 +114,8 @@ pack_results() {
 pack_results
 LAST=$(ls /tmp/fast_t5/checkpoints 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
 [ -n "$LAST" ] && (cd /tmp && tar czf "$ABS_OUT/checkpoint.tar.gz" fast_t5/checkpoints/$LAST)
-say "3. does the generated CNN depend on the task? (examples/task_specificity.py)"
-timeout 60 python3 examples/task_specificity.py --workdir=/tmp/fast_t5 --data_dir="$DATA_DIR" \
+say "3. does the generated CNN depend on the task? (diagnostics/task_specificity.py)"
+timeout 60 python3 diagnostics/task_specificity.py --workdir=/tmp/fast_t5 --data_dir="$DATA_DIR" \
     --num_pairs=100 2>&1 | quiet | tee -a "$LOG"
 pack_results
 say "done"

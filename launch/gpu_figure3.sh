@@ -7,17 +7,17 @@
 #
 #   OUT=results/figure3 DATA_DIR=~/tensorflow_datasets bash launch/gpu_figure3.sh [seconds]
 #   EXTRA_RESULTS=results/fast_t5/eval/test_T5_step5400.json ... bash launch/gpu_figure3.sh
-#   # the next GPU session's check, with the T=5 run of docs/recipe.md section 9:
+#   # the next GPU session's check, with the T=5 run of docs/results.md section 9:
 #   CHT_COMMIT=<commit> EXTRA_RESULTS=docs/recipe_t5_h200_full_eval.json OUT=$OUT \
 #       DATA_DIR=.gpu_data bash launch/gpu_figure3.sh 585
 #   # the same at 16 channels (configs/omniglot_channels.py:16,T,fast; ConstPN as wide),
 #   # with the T=5 evaluation file of the 16-channel launch/gpu_check.sh run:
 #   CHANNELS=16 EXTRA_RESULTS=<its eval/test_T5_step*.json> ... bash launch/gpu_figure3.sh 585
 #
-# Why at the same time: a third of each run is compilation on the host's CPUs, which runs
+# Why at the same time: much of each run is compilation on the host's CPUs, which runs
 # in parallel; the GPU is shared (each process may take GPU_FRACTION of its memory). At T=5
-# the validation curve of `:fast` is flat after ~2,200 steps of 64 episodes
-# (docs/recipe.md section 9), so STEPS=2200 for every run, with warmup and cosine decay
+# the validation curve of `:fast` flattens well before the end of its schedule
+# (docs/results.md section 9), so STEPS=2200 for every run, with warmup and cosine decay
 # over them. Each run is stopped (checkpointed) after the time left less the evaluation's
 # share, and evaluated all the same.
 # Needs what launch/gpu_check.sh needs (no TensorFlow or TFDS: an Omniglot cache in
@@ -45,7 +45,7 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=$GPU_FRACTION
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
   git rev-parse HEAD 2>/dev/null; } 2>&1 | tee -a "$LOG"
 
-# Evaluation takes ~30 s per run on an H200 alone; five at once share the GPU.
+# The last 190 s go to evaluation; five runs at once share the GPU.
 TRAIN_SECONDS=$(( TOTAL - ($(date +%s) - START) - 190 ))
 say "training $RUNS at once, $STEPS steps each, stopped after $TRAIN_SECONDS s at most"
 for run in $RUNS; do

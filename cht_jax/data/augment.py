@@ -1,6 +1,6 @@
 """Training augmentations in pure JAX: flip, hue, brightness, contrast, crop.
 
-tieredImageNet's training augmentation (DESIGN.md 1.5). Everything is
+tieredImageNet's training augmentation. Everything is
 traceable, so it runs inside the jitted training step, after the on-device
 sampler or on a host-pipeline batch alike, drawing from the step's key.
 Each image gets its own random draw.

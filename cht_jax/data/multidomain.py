@@ -1,15 +1,15 @@
 """Multi-domain episodes: six TFDS datasets, one image size, per-domain class splits.
 
-DESIGN.md 1.1: each task of a multi-domain episode comes from its own domain,
-one of Omniglot, Caltech101, CaltechBirds2011, Cars196, OxfordFlowers102 and
-StanfordDogs (TFDS names below). For every domain all its TFDS splits are
-read and pooled (few-shot splits are over classes, not over TFDS's example
-splits), every image is resized bilinearly to S x S (ignoring the aspect
-ratio, as Meta-Dataset does) with D channels (gray repeated to RGB, or RGB to
-gray), and the domain's classes are split into train / validation / test by
-fractions, with a permutation drawn from `default_rng([split_seed, d])` for
-the domain's position d in `DOMAINS`. Each class keeps its first M images in
-TFDS order; classes with fewer are dropped.
+The paper's "Learning from tasks across multiple domains": each task of a
+multi-domain episode comes from its own domain, one of Omniglot, Caltech101,
+CaltechBirds2011, Cars196, OxfordFlowers102 and StanfordDogs (TFDS names below).
+For every domain all its TFDS splits are read and pooled (few-shot splits are
+over classes, not over TFDS's example splits), every image is resized bilinearly
+to S x S (ignoring the aspect ratio, as Meta-Dataset does) with D channels (gray
+repeated to RGB, or RGB to gray), and the domain's classes are split into train
+/ validation / test by fractions, with a permutation drawn from
+`default_rng([split_seed, d])` for the domain's position d in `DOMAINS`. Each
+class keeps its first M images in TFDS order; classes with fewer are dropped.
 
 The result is, per split, one uint8 array [C, M, S, S, D] with the classes of
 the first domain first, and the class count of each domain (`domain_sizes`),

@@ -149,9 +149,8 @@ def embed_query_draws(method, thetas, query_images: jax.Array, pairs: continual.
 
   `continual.embed_queries` for each draw (each draw of Q(tau) is a batch of
   its own for BatchNorm): on CPU, one draw and one pair at a time
-  (`vectorize=False`) keeps each batch in cache and runs ~3x faster than
-  vmapping them (measured, docs/evaluation.md); accelerators want everything
-  vmapped.
+  (`vectorize=False`) keeps each batch in cache and runs faster than
+  vmapping them (docs/evaluation.md); accelerators want everything vmapped.
 
   Args:
     method: its `.cnn` is applied.

@@ -1,4 +1,4 @@
-"""The generated CNN: HT's `maxpool-4-layer` network (DESIGN.md 1.2).
+"""The generated CNN: HT's `maxpool-4-layer` network (paper, "Experiments").
 
 Four blocks of 3x3 conv (stride 1, `same`, no bias) -> ReLU -> 2x2 max-pool ->
 BatchNorm on the statistics of the batch it is applied to, then flatten (NHWC)

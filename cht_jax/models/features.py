@@ -1,4 +1,4 @@
-"""Feature extractors that turn support samples into transformer tokens (DESIGN.md 1.3)."""
+"""Feature extractors that turn support samples into transformer tokens (paper, section 4)."""
 
 import flax.linen as nn
 import jax

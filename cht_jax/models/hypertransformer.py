@@ -1,10 +1,11 @@
 """Layer-by-layer weight generation: support set (+ theta_{t-1}) in, CNN weights out.
 
-DESIGN.md 1.3. Each generated layer has its own activation feature extractor,
-label and weight embeddings and transformer; only the image feature extractor
-is shared. Layer l reads the support activations that come out of the layers
-generated before it; once its weights exist the support batch is pushed
-through it to feed layer l+1.
+The paper's section 4 ("Continual HyperTransformer", eq. 1, Figure 2) with
+the HT setup of its "Experiments". Each generated layer has its own activation
+feature extractor, label and weight embeddings and transformer; only the image
+feature extractor is shared. Layer l reads the support activations that come
+out of the layers generated before it; once its weights exist the support
+batch is pushed through it to feed layer l+1.
 
 Tokens of layer l (width E = max(emb + block, emb + features)):
   weight token i:  [weight_embedding(i) | slice i of theta_{t-1} | 0 ...]
@@ -111,14 +112,13 @@ class HyperTransformer(nn.Module):
     feature_norm: False (the paper). True (a departure): each layer's sample
       features (activation and image features) are normalised over the
       support set, feature by feature, before they enter the tokens. At
-      initialisation the image features vary across Omniglot samples by
-      about 0.002 and block 0's activation features by 0.03 (standard
-      deviation per feature), against label embeddings of about 1 per
-      dimension that are the same in every task: the tokens, and so the
-      generated weights, hardly depend on the images (docs/recipe.md,
-      section 8; on in the ':fast' recipe). Unlabeled samples are normalised
-      together with the labelled ones, so with this option they also change
-      the labelled samples' tokens.
+      initialisation the image and activation features vary across Omniglot
+      samples orders of magnitude less than the label embeddings, which are
+      the same in every task: the tokens, and so the generated weights,
+      hardly depend on the images (docs/results.md, section 8; on in the
+      ':fast' recipe). Unlabeled samples are normalised together with the
+      labelled ones, so with this option they also change the labelled
+      samples' tokens.
     trained_layers: 0 (the paper): the transformers write every layer. N > 0
       (the original HT's `number_of_trained_cnn_layers`): the first N of the
       CNN's layers (its conv blocks, then its head) are ordinary trained

@@ -1,4 +1,4 @@
-"""The HyperTransformer's encoder, as in the original HT code (DESIGN.md 1.3).
+"""The HyperTransformer's encoder, as in the original HT code (paper, section 4).
 
 Post-LayerNorm: x = LN(x + MHA(x)); x = LN(x + FFN(x)), LN epsilon 1e-6.
 Biases on the q, k, v and output projections; softmax attention scaled by
@@ -64,7 +64,7 @@ class MultiHeadSelfAttention(nn.Module):
     logits = jnp.einsum('qhd,khd->hqk', q, k) / math.sqrt(q.shape[-1])
     weights = jax.nn.softmax(logits, axis=-1)
     # [h, L, L], kept only where the caller collects 'intermediates' (diagnostics:
-    # examples/task_specificity.py); otherwise a no-op.
+    # diagnostics/task_specificity.py); otherwise a no-op.
     self.sow('intermediates', 'attention_weights', weights)
     attended = jnp.einsum('hqk,khd->qhd', weights, v)
     return _dense(width, 'output')(attended.reshape(length, -1))
