@@ -380,7 +380,7 @@ def _model_problems(c: ml_collections.ConfigDict, num_devices: int) -> list[str]
         f'data.image_size = {size} is too small for model.num_blocks = {blocks}: '
         f'each block halves the feature map ({chain}), so it must be >= '
         f'{2 ** blocks}, or model.num_blocks <= {max(int(math.log2(size)), 0)}.')
-  trained = c.model.get('trained_layers', 0)
+  trained = c.model.trained_layers
   if abs(trained) > blocks:
     problems.append(
         f'model.trained_layers = {trained} leaves no layer of the {blocks + 1} '

@@ -51,11 +51,20 @@ OMNIGLOT_ARCHIVES = REPO_ROOT.parent / 'shared' / 'data' / 'omniglot'
 TINY = dict(num_tasks=3, ways=3, shots=2, queries=2, image_size=16)
 
 
+def make_ht(**fields) -> ht_lib.HyperTransformer:
+  """The HyperTransformer of the paper's Omniglot config (configs/omniglot_base.py, where
+  its settings are written), in the modules' plain forms (conv_impl 'patches',
+  encoder_impl 'xla', activation extractors as wide as the CNN), `fields` replaced."""
+  from cht_jax import models  # pylint: disable=g-import-not-at-top
+  from configs import omniglot_t5  # pylint: disable=g-import-not-at-top
+  plain = {'conv_impl': 'patches', 'encoder_impl': 'xla', 'activation_features': None}
+  return models.build_hypertransformer(omniglot_t5.get_config()).clone(**plain, **fields)
+
+
 @pytest.fixture(scope='session')
 def tiny_ht():
-  return ht_lib.HyperTransformer(
-      num_ways=TINY['ways'], channels=(4, 4, 4, 4), cnn_embedding_dim=5,
-      embedding_dim=8, image_features=8, num_layers=1, num_heads=2)
+  return make_ht(num_ways=TINY['ways'], channels=(4, 4, 4, 4), cnn_embedding_dim=5,
+                 embedding_dim=8, image_features=8, num_layers=1, num_heads=2)
 
 
 def override(config, overrides: dict):

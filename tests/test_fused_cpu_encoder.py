@@ -10,7 +10,7 @@ import pytest
 from cht_jax.kernels.cpu import encoder as encoder_kernel
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import transformer
-from conftest import tiny_config
+from conftest import make_ht, tiny_config
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != 'cpu',
                                 reason='the fused_cpu kernels run on CPU hosts only')
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != 'cpu',
 MISMATCH = ("The CPU kernel no longer matches the Python definition of op 'encoder' "
             '(cht_jax/models/transformer.py:Encoder): change cht_jax/kernels/cpu/encoder.cc '
             'to the new math.')
-# The model's settings of its encoders, defaults included.
-DEFAULTS = transformer.encoder_settings(ht_lib.HyperTransformer(num_ways=1))
+# The paper's settings of the model's encoders (configs/omniglot_base.py).
+DEFAULTS = transformer.encoder_settings(make_ht(num_ways=1))
 
 
 def encoder_and_params(num_layers, length, width, activation='relu', **fractions):
@@ -82,7 +82,7 @@ def test_encoder_impl_changes_forward_passes_only():
 
 
 def test_generated_theta_matches_the_definition():
-  ht = ht_lib.HyperTransformer(num_ways=3, channels=(8, 8), encoder_impl='fused_cpu')
+  ht = make_ht(num_ways=3, channels=(8, 8), encoder_impl='fused_cpu')
   images = jax.random.uniform(jax.random.key(0), (6, 16, 16, 1))
   labels = jnp.array([0, 1, 2, 0, 1, 2])
   theta_prev = ht_lib.zeros_theta(ht.cnn, images.shape[1:])

@@ -17,7 +17,7 @@ from cht_jax.models import features as features_lib
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import ops
 from cht_jax.models import transformer
-from conftest import tiny_config
+from conftest import make_ht, tiny_config
 
 
 @pytest.mark.parametrize('size, kernel_size, stride, padding', [
@@ -106,7 +106,7 @@ def test_activation_conv_plan_follows_ht():
 
 @pytest.fixture(scope='module')
 def omniglot_ht():
-  ht = ht_lib.HyperTransformer(num_ways=20)  # Paper defaults: 8 channels, emb 32.
+  ht = make_ht(num_ways=20)  # The paper's settings: 8 channels, emb 32.
   support = jnp.zeros((20, 28, 28, 1))
   labels = jnp.arange(20)
   theta_prev = ht_lib.zeros_theta(ht.cnn, (28, 28, 1))
@@ -185,9 +185,8 @@ def test_slices_round_trip(generate_bn):
 
 
 def test_generated_batchnorm_option(tiny_episode):
-  ht = ht_lib.HyperTransformer(num_ways=3, channels=(4, 4, 4, 4), cnn_embedding_dim=5,
-                               embedding_dim=8, image_features=8, num_layers=1,
-                               generate_bn=True)
+  ht = make_ht(num_ways=3, channels=(4, 4, 4, 4), cnn_embedding_dim=5, embedding_dim=8,
+               image_features=8, num_layers=1, generate_bn=True)
   images, labels = tiny_episode['support_images'][0], tiny_episode['support_labels'][0]
   theta_prev = ht_lib.zeros_theta(ht.cnn, images.shape[1:])
   params = ht.init(jax.random.key(0), images, labels, theta_prev)['params']

@@ -6,6 +6,12 @@ import ml_collections
 
 from cht_jax.models.hypertransformer import HyperTransformer
 
+# What a run whose saved config (config.json) predates these fields had: they were
+# added as options that were off. Only for reading such a config; a config file
+# (configs/) sets every field.
+SAVED_BEFORE_THE_FIELD = {'head_scale': 0.0, 'learned_base': 0.0, 'feature_norm': False,
+                          'trained_layers': 0, 'compute_dtype': 'float32'}
+
 
 def build_hypertransformer(config: ml_collections.ConfigDict) -> HyperTransformer:
   """The weight generator (and, through `.cnn`, the CNN it fills) of a config.
@@ -17,6 +23,7 @@ def build_hypertransformer(config: ml_collections.ConfigDict) -> HyperTransforme
   """
   model = config.model
   fields = {field.name for field in dataclasses.fields(HyperTransformer)}
-  settings = {name: value for name, value in model.items() if name in fields}
+  settings = dict(SAVED_BEFORE_THE_FIELD)
+  settings.update((name, value) for name, value in model.items() if name in fields)
   settings['channels'] = (model.channels,) * model.num_blocks
   return HyperTransformer(num_ways=config.episode.ways, **settings)

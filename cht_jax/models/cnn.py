@@ -130,8 +130,8 @@ class CNN(nn.Module):
     conv_impl, compute_dtype: see `ops.conv2d`.
     kernel_size: conv kernel size (3 in the paper).
   """
-  channels: Sequence[int] = (8, 8, 8, 8)
-  embedding_dim: int = 20
+  channels: Sequence[int]
+  embedding_dim: int
   conv_impl: str = 'patches'
   kernel_size: int = 3
   compute_dtype: str = 'float32'

@@ -31,7 +31,7 @@ class ImageFeatureExtractor(nn.Module):
   4 convs 3x3, `same` padding, stride 2 except the last (stride 1), ReLU after
   each, then a global spatial mean: [N, H, W, C] -> [N, features].
   """
-  features: int = 32
+  features: int
   num_layers: int = 4
   kernel_size: int = 3
   conv_impl: str = 'patches'
@@ -77,7 +77,7 @@ class ActivationFeatureExtractor(nn.Module):
   pre-ReLU output is averaged over space and the averages are concatenated:
   [N, H, W, C] -> [N, features * number of convs applied].
   """
-  features: int = 8
+  features: int
   num_layers: int = 2
   kernel_size: int = 3
   conv_impl: str = 'patches'

@@ -77,10 +77,11 @@ def slices_to_head(rows: jax.Array) -> dict:
 class HyperTransformer(nn.Module):
   """Generates the weights of `cnn_lib.CNN` for one task.
 
-  Its fields are the model's settings, with their defaults (the paper's
-  Omniglot model); `models.build_hypertransformer` sets them from the
-  config's fields of the same names, and each layer's transformer takes those
-  that are `transformer.Encoder`'s.
+  Its fields are the model's settings; `models.build_hypertransformer` sets
+  them from the config's fields of the same names, and each layer's
+  transformer takes those that are `transformer.Encoder`'s. The values,
+  the paper's among them, are written once, in the config
+  (configs/omniglot_base.py): the fields the config sets have no default.
 
   Attributes:
     num_ways: K, classes per task (K + 1 label embeddings, the last unlabeled).
@@ -127,26 +128,29 @@ class HyperTransformer(nn.Module):
       feature extractor, and theta_{t-1} does not reach it.
   """
   num_ways: int
-  channels: Sequence[int] = (8, 8, 8, 8)
-  cnn_embedding_dim: int = 20
+  # Set by the config (configs/omniglot_base.py), their one place: no defaults here.
+  channels: Sequence[int]
+  cnn_embedding_dim: int
+  embedding_dim: int
+  image_features: int
+  num_layers: int
+  num_heads: int
+  query_key_fraction: float
+  value_fraction: float
+  inner_fraction: float
+  activation: str
+  generate_bn: bool
+  head_scale: float
+  learned_base: float
+  feature_norm: bool
+  trained_layers: int
+  compute_dtype: str
+  # Not in the config (kernel_size), or the plain form where the config asks for
+  # 'auto' (conv_impl, encoder_impl) or a width of its own (activation_features).
   kernel_size: int = 3
   conv_impl: str = 'patches'
-  embedding_dim: int = 32
-  image_features: int = 32
   activation_features: int | None = None
-  num_layers: int = 3
-  num_heads: int = 2
-  query_key_fraction: float = 1.0
-  value_fraction: float = 1.0
-  inner_fraction: float = 1.0
-  activation: str = 'relu'
   encoder_impl: str = 'xla'
-  generate_bn: bool = False
-  head_scale: float = 0.0
-  learned_base: float = 0.0
-  feature_norm: bool = False
-  trained_layers: int = 0
-  compute_dtype: str = 'float32'
 
   @property
   def cnn(self) -> cnn_lib.CNN:
