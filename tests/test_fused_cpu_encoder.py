@@ -26,7 +26,7 @@ def encoder_and_params(num_layers, length, width, activation='relu', **fractions
   """The definition (`encoder_impl` the setting no kernel stands in for), its params, tokens."""
   encoder = transformer.Encoder(**{**DEFAULTS, **fractions, 'num_layers': num_layers,
                                    'num_heads': 2, 'activation': activation,
-                                   'encoder_impl': transformer.ENCODER_IMPL.fallback})
+                                   'encoder_impl': 'xla'})
   tokens = jax.random.normal(jax.random.key(length * width), (length, width))
   return encoder, encoder.init(jax.random.key(0), tokens)['params'], tokens
 
@@ -90,7 +90,7 @@ def test_generated_theta_matches_the_definition():
   generate = lambda module: jax.jit(lambda p: module.apply({'params': p}, images, labels,
                                                            theta_prev))
   got = generate(ht)(params)
-  want = generate(ht.clone(encoder_impl=transformer.ENCODER_IMPL.fallback))(params)
+  want = generate(ht.clone(encoder_impl='xla'))(params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5,
                                                        err_msg=MISMATCH), got, want)
 

@@ -23,7 +23,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from cht_jax.kernels import registry
 from cht_jax.models import ops
 
 # TF's BatchNormalization default, as used by the original HT code.
@@ -57,17 +56,27 @@ def batch_stat_norm(x: jax.Array, scale: jax.Array, bias: jax.Array,
   return (x - mean) * jax.lax.rsqrt(var + epsilon) * scale + bias
 
 
-@registry.overridable('conv_block', ops.CONV_IMPL, setting='conv_impl')
 def conv_block(x: jax.Array, block: dict, conv_impl: str,
                compute_dtype: str = 'float32') -> jax.Array:
   """conv -> ReLU -> max-pool -> BatchNorm: [N, H, W, C_in] -> [N, H//2, W//2, C_out].
 
   `block` holds 'kernel' [k, k, C_in, C_out], 'scale' and 'bias' [C_out]; the
   conv computes in `compute_dtype` (`ops.conv2d`), the rest in float32.
-  Where `conv_impl` is 'fused_cpu', or 'auto' on CPU and the kernel takes these
-  shapes, the backend's kernel for 'conv_block' runs instead (one C++ call each
-  way, `cht_jax.kernels.cpu`) and this is what it must equal.
+  Where `conv_impl` resolves to 'fused_cpu' (`ops.resolve_conv_impl`) and the
+  kernel takes these shapes, the block runs as one C++ call each way instead
+  (`cht_jax.kernels.cpu.conv_block`), which must equal what follows; 'auto'
+  runs 'patches' where it does not take them.
   """
+  if ops.resolve_conv_impl(conv_impl) == 'fused_cpu':
+    from cht_jax.kernels.cpu import conv_block as cpu_kernel  # pylint: disable=g-import-not-at-top
+    reason = (f"it computes in float32 only, not model.compute_dtype='{compute_dtype}'"
+              if compute_dtype != 'float32' else cpu_kernel.unsupported(x, block['kernel']))
+    if reason is None:
+      return cpu_kernel.conv_relu_pool_norm(x, block['kernel'], block['scale'], block['bias'],
+                                            BATCH_NORM_EPSILON)
+    if conv_impl == 'fused_cpu':
+      raise ValueError(f"model.conv_impl='fused_cpu': {reason}; use auto or patches.")
+    conv_impl = 'patches'
   x = ops.conv2d(x, block['kernel'], impl=conv_impl, compute_dtype=compute_dtype)
   x = max_pool_2x2(jax.nn.relu(x))
   return batch_stat_norm(x, block['scale'], block['bias'])

@@ -16,21 +16,38 @@ follows (ReLU, pooling, BatchNorm).
 
 `conv_impl` also chooses a backend for the generated CNN's blocks
 (`cnn.conv_block`): 'fused_cpu' runs them as C++ kernels on CPU
-(`cht_jax.kernels.cpu`); 'auto' picks it where it runs.
+(`cht_jax.kernels.cpu`); 'auto' picks it where it runs (`resolve_conv_impl`).
+There is no kernel for a lone convolution: under 'fused_cpu' `conv2d` takes
+the form below that is fastest there (`forward_with_gradient_of`).
 """
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from cht_jax.kernels import registry
+from cht_jax import kernels
 
 CONV_IMPLS = ('auto', 'patches', 'lax', 'taps', 'fused_cpu')
-CONV_IMPL = registry.Switch('model.conv_impl', CONV_IMPLS, fallback='patches')
 COMPUTE_DTYPES = ('float32', 'bfloat16')
-# Kept public here: conv2d's 'fused_cpu' form uses it, as forward-only kernels do.
-forward_with_gradient_of = registry.forward_with_gradient_of
+
+
+def forward_with_gradient_of(fast: Callable, reference: Callable) -> Callable:
+  """`fast` where nothing differentiates it; `reference`'s value and VJP where something does.
+
+  For forward-only passes (generating theta to evaluate or deploy) that have a
+  faster form with no gradient of its own (conv2d's 'fused_cpu' form, the
+  encoder's kernel): training, which differentiates, runs exactly `reference`,
+  and forward-only calls get `fast`, equal up to float rounding (tested). Both
+  take and return arrays (close over the rest).
+  """
+  @jax.custom_vjp
+  def call(*args):
+    return fast(*args)
+
+  call.defvjp(lambda *args: jax.vjp(reference, *args), lambda vjp, grad: vjp(grad))
+  return call
 
 
 def resolve_conv_impl(impl: str, second_order: bool = False) -> str:
@@ -47,7 +64,7 @@ def resolve_conv_impl(impl: str, second_order: bool = False) -> str:
   if second_order and impl == 'fused_cpu' and jax.default_backend() == 'cpu':
     raise ValueError("model.conv_impl='fused_cpu' has no second derivative, which "
                      'second-order MAML needs; use auto or patches.')
-  return CONV_IMPL.resolve(impl)
+  return kernels.resolve('model.conv_impl', impl, CONV_IMPLS, fallback='patches')
 
 
 def _padding(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:
@@ -91,7 +108,7 @@ def conv2d(x: jax.Array, kernel: jax.Array, stride: int = 1, padding: str = 'SAM
     return lax_conv(x, kernel)
   if impl == 'taps':
     return _taps_conv(x, kernel, stride=stride, padding=padding)
-  if impl == 'fused_cpu':
+  if impl == 'fused_cpu':  # No kernel for a lone conv: the forms fastest on CPU.
     return forward_with_gradient_of(lax_conv, patches_conv)(x, kernel)
   return patches_conv(x, kernel)
 

@@ -4,10 +4,10 @@ Post-LayerNorm: x = LN(x + MHA(x)); x = LN(x + FFN(x)), LN epsilon 1e-6.
 Biases on the q, k, v and output projections; softmax attention scaled by
 sqrt(per-head depth); no positional encoding (tokens form a set).
 
-`Encoder` is the operation 'encoder' of the kernel registry: on CPU a whole
-stack can run as one C++ call (`encoder_impl='fused_cpu'`,
-`cht_jax.kernels.cpu`) where nothing differentiates it, generating theta to
-evaluate or deploy. Training differentiates it and runs these modules.
+On CPU a whole stack (`Encoder`) can run as one C++ call
+(`encoder_impl='fused_cpu'`, `cht_jax.kernels.cpu.encoder`) where nothing
+differentiates it, generating theta to evaluate or deploy. Training
+differentiates it and runs these modules.
 """
 
 import dataclasses
@@ -17,7 +17,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from cht_jax.kernels import registry
+from cht_jax import kernels
+from cht_jax.models import ops
 
 ACTIVATIONS = {
     'relu': jax.nn.relu,
@@ -26,7 +27,6 @@ ACTIVATIONS = {
 }
 LAYER_NORM_EPSILON = 1e-6
 ENCODER_IMPLS = ('auto', 'xla', 'fused_cpu')
-ENCODER_IMPL = registry.Switch('model.encoder_impl', ENCODER_IMPLS, fallback='xla')
 
 
 def resolve_encoder_impl(impl: str) -> str:
@@ -35,7 +35,7 @@ def resolve_encoder_impl(impl: str) -> str:
   Raises:
     ValueError: 'fused_cpu' asked for where it cannot run.
   """
-  return ENCODER_IMPL.resolve(impl)
+  return kernels.resolve('model.encoder_impl', impl, ENCODER_IMPLS, fallback='xla')
 
 
 def width_from_fraction(model_width: int, fraction: float, num_heads: int) -> int:
@@ -104,9 +104,18 @@ class Encoder(nn.Module):
   activation: str
   encoder_impl: str
 
-  @registry.overridable('encoder', ENCODER_IMPL, setting='encoder_impl')
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
+    if resolve_encoder_impl(self.encoder_impl) == 'fused_cpu' and not self.is_initializing():
+      # One C++ call where nothing differentiates the stack; where something does,
+      # exactly these modules (the kernel has no gradient). Initialising creates params.
+      from cht_jax.kernels.cpu import encoder as cpu_kernel  # pylint: disable=g-import-not-at-top
+      definition = self.clone(parent=None, encoder_impl='xla')
+      return ops.forward_with_gradient_of(
+          lambda params, x: cpu_kernel.encoder_forward(params, x, self.num_heads,
+                                                       self.activation),
+          lambda params, x: definition.apply({'params': params}, x),
+      )(self.variables['params'], tokens)
     width = tokens.shape[-1]
     dims = {
         'query_key_dim': width_from_fraction(width, self.query_key_fraction, self.num_heads),
