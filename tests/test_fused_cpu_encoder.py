@@ -82,7 +82,7 @@ def test_encoder_impl_changes_forward_passes_only():
 
 
 def test_generated_theta_matches_the_definition():
-  ht = make_ht(num_ways=3, channels=(8, 8), encoder_impl='fused_cpu')
+  ht = make_ht(num_ways=3, channels=(8, 8)).clone(encoder_impl='fused_cpu')
   images = jax.random.uniform(jax.random.key(0), (6, 16, 16, 1))
   labels = jnp.array([0, 1, 2, 0, 1, 2])
   theta_prev = ht_lib.zeros_theta(ht.cnn, images.shape[1:])
