@@ -30,6 +30,7 @@ import ml_collections
 
 from cht_jax import continual
 from cht_jax import losses
+from cht_jax import optim
 from cht_jax.data import datasets
 from cht_jax.data import episodes
 from cht_jax.data import multidomain
@@ -44,8 +45,6 @@ from cht_jax.models import transformer
 # The first three train on an episode loss; the others by gradient steps on each task.
 EPISODE_LOSS_METHODS = ('cht', 'constpn', 'merged_ht')
 METHODS = EPISODE_LOSS_METHODS + ('finetune', 'ewc', 'maml')
-OPTIMIZERS = ('sgd', 'momentum', 'adam', 'adamw')
-SCHEDULES = ('exponential', 'cosine')
 ON_DIVERGENCE = ('stop', 'skip')
 
 Check = Callable[[Any], str | None]  # A value -> what would be valid, or None if it is.
@@ -182,12 +181,12 @@ SCHEMA: dict[str, Check] = {
     'loss': _choice(losses.LOSSES),
     'method': _choice(METHODS),
     'constpn_ways_multiplier': _integer(1),
-    'optim.name': _choice(OPTIMIZERS),
+    'optim.name': _choice(optim.OPTIMIZERS),
     'optim.learning_rate': _number(0),
     'optim.decay_rate': _number(0),
     'optim.decay_steps': _integer(1),
     'optim.momentum': _number(0, inclusive=True, maximum=1),
-    'optim.schedule': _choice(SCHEDULES),
+    'optim.schedule': _choice(optim.SCHEDULES),
     'optim.warmup_steps': _integer(0),
     'optim.end_fraction': _number(0, inclusive=True, maximum=1),
     'optim.weight_decay': _number(0, inclusive=True),

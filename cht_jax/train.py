@@ -4,7 +4,7 @@ The method (`methods.build`) gives the step its gradient: CHT-family methods
 sample episodes on device inside the step (from the split's images kept in
 device memory, or take a host pipeline's batch), the baselines a batch of
 images or MAML++ episodes. The batch is sharded over a 1-D `Mesh` of devices
-('data' axis); parameters and optimiser state are replicated.
+('data' axis); parameters and optimiser state (optim.py) are replicated.
 
 Reliability (docs/reliability.md):
 * The data of step s depend only on (config.seed, s), so a run resumed from
@@ -15,14 +15,14 @@ Reliability (docs/reliability.md):
   exits with status 143.
 * A step whose loss, gradient or generated weights are not finite changes
   nothing but the step count; `train.on_divergence` decides whether the run
-  then stops or goes on (runtime/divergence.py).
+  then stops or goes on, and with `train.loss_spike_factor` a finite collapse
+  is rolled back (runtime/divergence.py).
 * The config is checked before anything is read or compiled, the workdir
   before anything is downloaded, and a checkpoint against the config before
   it is restored; each failure is one of `USER_ERRORS`, whose message names
   what is wrong and what to do.
 """
 
-import collections
 import time
 from typing import Any
 
@@ -37,6 +37,7 @@ import optax
 from cht_jax import config_validation
 from cht_jax import evaluate
 from cht_jax import methods
+from cht_jax import optim as optim_lib
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.data import omniglot
@@ -51,6 +52,8 @@ USER_ERRORS = (config_validation.ConfigError, omniglot.DataError, divergence.Div
                checkpoints.CheckpointError, workdir_lib.WorkdirError, evaluate.EvaluationError)
 
 
+# ====== The state and the training step ===============================================
+
 @flax.struct.dataclass
 class TrainState:
   step: jax.Array
@@ -58,60 +61,15 @@ class TrainState:
   opt_state: Any
 
 
-def learning_rate_schedule(optim: ml_collections.ConfigDict) -> optax.Schedule:
-  """`optim.schedule` after `optim.warmup_steps` of linear warmup from 0.
-
-  'exponential' (the paper's): lr * decay_rate ** (step / decay_steps), continuous,
-    as `tf.train.exponential_decay` in the original HT (hypertransformer/tf/train.py,
-    `make_optimizer`); the paper (Experiments) does not say staircase.
-  'cosine': lr, cosine-annealed to lr * end_fraction over decay_steps steps.
-  """
-  if optim.schedule == 'exponential':
-    decay = optax.exponential_decay(
-        optim.learning_rate, transition_steps=optim.decay_steps,
-        decay_rate=optim.decay_rate, staircase=False)
-  elif optim.schedule == 'cosine':
-    decay = optax.cosine_decay_schedule(
-        optim.learning_rate, decay_steps=max(optim.decay_steps - optim.warmup_steps, 1),
-        alpha=optim.end_fraction)
-  else:
-    raise ValueError(f'Unknown optim.schedule {optim.schedule!r}; expected one of '
-                     f'{config_validation.SCHEDULES}.')
-  if not optim.warmup_steps:
-    return decay
-  warmup = optax.linear_schedule(0.0, optim.learning_rate, optim.warmup_steps)
-  return optax.join_schedules([warmup, decay], [optim.warmup_steps])
-
-
-def make_optimizer(optim: ml_collections.ConfigDict,
-                   schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
-  """`optim.name` on `schedule` (default: the paper's), clipped if optim.grad_clip_norm."""
-  schedule = schedule or learning_rate_schedule(optim)
-  if optim.name == 'sgd':
-    optimizer = optax.sgd(schedule)
-  elif optim.name == 'momentum':
-    optimizer = optax.sgd(schedule, momentum=optim.momentum)
-  elif optim.name == 'adam':
-    optimizer = optax.adam(schedule)
-  elif optim.name == 'adamw':
-    optimizer = optax.adamw(schedule, weight_decay=optim.weight_decay)
-  else:
-    raise ValueError(f'Unknown optim.name {optim.name!r}; expected one of '
-                     f'{config_validation.OPTIMIZERS}.')
-  if optim.grad_clip_norm > 0:
-    optimizer = optax.chain(optax.clip_by_global_norm(optim.grad_clip_norm), optimizer)
-  return optimizer
-
-
 def method_schedule(method: methods.Method) -> optax.Schedule:
-  """The method's learning-rate schedule, else the paper's (`learning_rate_schedule`)."""
+  """The method's learning-rate schedule, else `optim.learning_rate_schedule`'s."""
   optim = method.config.optim
-  return method.learning_rate(optim) or learning_rate_schedule(optim)
+  return method.learning_rate(optim) or optim_lib.learning_rate_schedule(optim)
 
 
 def method_optimizer(method: methods.Method) -> optax.GradientTransformation:
   """The optimiser of `config.optim` on the method's schedule."""
-  return make_optimizer(method.config.optim, method_schedule(method))
+  return optim_lib.make_optimizer(method.config.optim, method_schedule(method))
 
 
 def init_state(method: methods.Method, optimizer, key, mesh) -> TrainState:
@@ -170,6 +128,8 @@ def make_train_step(method: methods.Method, optimizer, mesh, variant=(), domain_
   # the update; each new scale (one per rollback) compiles the step once more.
   return jax.jit(train_step, donate_argnums=0, static_argnames='learning_rate_scale')
 
+
+# ====== Validation during training ====================================================
 
 def batch_loss(method, params, episodes, loss, remat):
   """Mean over a batch of episodes of Algorithm 1's loss, and mean metrics."""
@@ -235,6 +195,8 @@ def make_validation(method: methods.Method, class_images, domain_sizes=()):
   return validate
 
 
+# ====== The run and its loop ==========================================================
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        dataset: dict[str, np.ndarray] | None = None) -> dict[str, float]:
   """Trains `config.method`, checkpointing into `workdir` and resuming from it.
@@ -281,7 +243,7 @@ def _train(config, workdir, dataset) -> dict[str, float]:
       checkpoints.check_fits(manager, latest, jax.eval_shape(init, init_key), config)
     if dataset is None:
       dataset = datasets.load_dataset(config)
-    _check_training_episodes(method, dataset)
+    methods.check_training_episodes(method, dataset)
     state = checkpoints.restore_or_init(manager, init(init_key), config)
     workdir_lib.write_config(workdir, config)
     log = workdir_lib.MetricsLog(workdir)
@@ -293,24 +255,6 @@ def _train(config, workdir, dataset) -> dict[str, float]:
     checkpoints.close(manager)
     if log is not None:
       log.close()
-
-
-def _check_training_episodes(method, dataset) -> None:
-  """The sampler's rules against the loaded training split, before compiling.
-
-  Config validation knows class counts only from the config (the multi-domain
-  datasets' nominal counts); the loaded data may hold fewer classes.
-  """
-  if method.config.data.pipeline == 'host' or not hasattr(method, 'training_spec'):
-    return  # The host pipeline checks its own split; sequential methods sample theirs.
-  sizes = dataset.get('domain_sizes', {}).get('train', ())
-  num_classes, images_per_class = np.shape(dataset['train'])[:2]
-  problems = episodes_lib.spec_problems(
-      method.training_spec(sizes), num_classes, images_per_class,
-      split="the loaded 'train' split", remedy='fewer ways or tasks per episode, or more data')
-  if problems:
-    raise config_validation.ConfigError(
-        f'{method.display_name} cannot draw its training episodes: ' + ' '.join(problems))
 
 
 def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
@@ -325,7 +269,7 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
                              domain_sizes.get('validation', ()))
   train_steps = {}  # One compiled step per variant (MAML++'s phases; one for the rest).
   guard = divergence.Guard(tc.on_divergence)
-  rollbacks = _Rollbacks(config, log, int(state.step))
+  rollbacks = divergence.Rollbacks(tc.loss_spike_factor, log, int(state.step))
   first_step, num_steps = int(state.step), tc.num_steps
   logging.info('%s: training steps %d..%d, %d per step on %d device(s).',
                method.display_name, first_step, num_steps, method.batch_size,
@@ -367,7 +311,7 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
     pending, window = [], window + fetched
     reason = guard.check(fetched)
     if reason:
-      raise _divergence_error(reason, manager, tc.on_divergence)
+      raise divergence.checkpointed_error(reason, manager, tc.on_divergence)
     if do_log:
       last_metrics = workdir_lib.window_means(window, time.perf_counter() - window_start,
                                    tc.episodes_per_step)
@@ -399,71 +343,3 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
                                  signals.signum)
   return last_metrics
 
-
-class _Rollbacks:
-  """`train.loss_spike_factor`: rolling back a finite collapse (divergence.LossSpikes).
-
-  At the end of each healthy log window the state is copied (the last two are
-  kept). When a window is a spike, training goes back to the older copy, one
-  window before the last healthy one, since a collapse builds up over a few
-  hundred steps; the rows and checkpoints of later steps are dropped, and from
-  there on the learning rate is ROLLBACK_LEARNING_RATE_FACTOR times what it
-  was. A 'rollback' row in metrics.jsonl at the step rolled back to records the
-  new scale, so a resumed run goes on with it. The steps' data stay a function
-  of (seed, step): the rerun steps see the same episodes at the lower rate.
-  """
-
-  def __init__(self, config, log, first_step: int):
-    self._log = log
-    factor = config.train.get('loss_spike_factor', 0.0)  # Absent from older runs' config.json.
-    self._spikes = divergence.LossSpikes(factor)
-    self._enabled = bool(factor)
-    rows = [r for r in log.rows('rollback') if r['step'] <= first_step]
-    self._count = len(rows)
-    self.learning_rate_scale = rows[-1]['rollback/learning_rate_scale'] if rows else 1.0
-    self._copies = collections.deque(maxlen=2)
-    self._copy = jax.jit(lambda state: jax.tree.map(jnp.copy, state))
-    self._reason = None  # Why the last window checked is a spike.
-
-  def is_spike(self, step: int, loss: float, state: TrainState) -> bool:
-    """Records the log window ending at `step`; copies `state` if it is healthy."""
-    if not self._enabled:
-      return False
-    self._reason = self._spikes.check(step, loss)
-    if self._reason is None:
-      self._copies.append(self._copy(state))
-    return self._reason is not None
-
-  def roll_back(self, step: int, manager) -> TrainState:
-    """The state to go on from after the spike found at `step`."""
-    self._count += 1
-    if self._count > divergence.MAX_ROLLBACKS:
-      # Policy 'skip': the advice then leaves out on_divergence, which is about NaNs.
-      raise _divergence_error(
-          f'Training collapsed at step {step}: {self._reason}, after '
-          f'{divergence.MAX_ROLLBACKS} rollbacks (train.loss_spike_factor).', manager, 'skip')
-    target = self._copies[0]
-    to_step = int(target.step)
-    self.learning_rate_scale *= divergence.ROLLBACK_LEARNING_RATE_FACTOR
-    logging.warning('Loss spike at step %d: %s. Rolling back to step %d, learning rate x%g '
-                    'from there (rollback %d of at most %d).', step, self._reason, to_step,
-                    self.learning_rate_scale, self._count, divergence.MAX_ROLLBACKS)
-    manager.wait_until_finished()
-    for saved in manager.all_steps():
-      if saved > to_step:  # Written on the abandoned way.
-        manager.delete(saved)
-    self._log.drop_after(to_step)
-    self._log.write(to_step, 'rollback', {'from_step': step,
-                                          'learning_rate_scale': self.learning_rate_scale})
-    self._spikes.forget_after(to_step)
-    self._copies = collections.deque([target], maxlen=2)
-    return self._copy(target)  # `target` stays: the step donates what it is given.
-
-
-def _divergence_error(reason: str, manager, policy: str) -> divergence.DivergenceError:
-  try:
-    manager.wait_until_finished()  # An earlier, good save may be in flight.
-  except Exception as e:  # pylint: disable=broad-except
-    logging.error('Saving an earlier checkpoint failed: %s', checkpoints.root_cause(e))
-  manager.reload()
-  return divergence.error(reason, manager.latest_step(), manager.directory, policy)

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from cht_jax import methods
+from cht_jax import optim
 from cht_jax import train
 from configs import omniglot_t2
 
@@ -23,7 +24,7 @@ def one_step(config, devices, images):
                            axis_types=(jax.sharding.AxisType.Auto,))
   replicated = jax.NamedSharding(mesh, jax.P())
   method = methods.build(config)
-  optimizer = train.make_optimizer(config.optim)
+  optimizer = optim.make_optimizer(config.optim)
   state = train.init_state(method, optimizer, jax.random.key(0), mesh)
   step = train.make_train_step(method, optimizer, mesh)
   images = jax.device_put(images, replicated)

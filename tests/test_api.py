@@ -11,6 +11,7 @@ import pytest
 
 from cht_jax import api
 from cht_jax import methods
+from cht_jax import optim
 from cht_jax import train
 from cht_jax.runtime import checkpoints
 from cht_jax.runtime import devices
@@ -33,7 +34,7 @@ def support():
 def workdir(tmp_path_factory):
   """A workdir with training's config.json and a checkpoint of step 3."""
   config = tiny_config()
-  optimizer = train.make_optimizer(config.optim)
+  optimizer = optim.make_optimizer(config.optim)
   state = train.init_state(methods.build(config), optimizer, jax.random.key(0),
                            devices.data_mesh())
   state = state.replace(step=jnp.asarray(3, jnp.int32))

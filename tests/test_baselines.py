@@ -16,6 +16,7 @@ from cht_jax import continual
 from cht_jax import evaluate
 from cht_jax import losses
 from cht_jax import methods
+from cht_jax import optim
 from cht_jax import reports
 from cht_jax import train
 from cht_jax.methods import merged_ht
@@ -44,7 +45,7 @@ def images():
 def train_and_evaluate(config, images, steps=3):
   """A few training steps, then the evaluation protocol on a handful of episodes."""
   method = methods.build(config)
-  optimizer = train.make_optimizer(config.optim)
+  optimizer = optim.make_optimizer(config.optim)
   mesh = devices.data_mesh()
   state = train.init_state(method, optimizer, jax.random.key(0), mesh)
   step = train.make_train_step(method, optimizer, mesh)

@@ -18,6 +18,7 @@ from cht_jax import api
 from cht_jax import continual
 from cht_jax import evaluate
 from cht_jax import methods
+from cht_jax import optim
 from cht_jax import plots
 from cht_jax import reports
 from cht_jax import train
@@ -38,7 +39,7 @@ def trained(tmp_path_factory):
   time of this file, and test_main covers the checkpoints training writes.)
   """
   config = tiny_config()
-  optimizer = train.make_optimizer(config.optim)
+  optimizer = optim.make_optimizer(config.optim)
   state = train.init_state(methods.build(config), optimizer, jax.random.key(0),
                            devices.data_mesh())
   state = state.replace(step=jnp.asarray(3, jnp.int32))
@@ -214,12 +215,12 @@ def test_checkpoint_errors_are_clear(tmp_path, trained):
 _SAVE_ON_OTHER_DEVICES = """
 import sys
 import jax, numpy as np
-from cht_jax import methods, train
+from cht_jax import methods, optim, train
 from conftest import tiny_config
 from test_evaluate import save_checkpoint
 config = tiny_config()
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
-state = train.init_state(methods.build(config), train.make_optimizer(config.optim),
+state = train.init_state(methods.build(config), optim.make_optimizer(config.optim),
                          jax.random.key(1), mesh)
 save_checkpoint(sys.argv[1], config, state)
 np.savez(sys.argv[2], *jax.tree.leaves(jax.device_get(state.params)))
@@ -435,7 +436,7 @@ def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
   assert 'CheckpointError: No checkpoint' in result.stderr
   assert 'Traceback' not in result.stderr
 
-  optimizer = train.make_optimizer(config.optim)
+  optimizer = optim.make_optimizer(config.optim)
   for step in (2, 4):
     save_checkpoint(workdir, config, train.TrainState(
         step=jnp.asarray(step, jnp.int32), params=params, opt_state=optimizer.init(params)))

@@ -9,7 +9,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / 'cht_jax'
 
 # Each group may import only groups listed before it (and itself).
 FLOORS = (
-    ('kernels', 'models', 'data', 'losses', 'metrics'),  # The math and the data.
+    ('kernels', 'models', 'data', 'losses', 'metrics', 'optim'),  # The math and the data.
     # Infrastructure; below the core, as config validation asks devices how many
     # devices a batch is split over. It imports nothing else of the package.
     ('runtime',),

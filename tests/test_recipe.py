@@ -8,7 +8,7 @@ import pytest
 from cht_jax import config_validation
 from cht_jax import continual
 from cht_jax import models
-from cht_jax import train
+from cht_jax import optim
 from cht_jax.models import hypertransformer as ht_lib
 from conftest import make_episode, override, tiny_config
 
@@ -147,7 +147,7 @@ def test_cosine_schedule_with_warmup():
   config = tiny_config(**{'optim.schedule': 'cosine', 'optim.learning_rate': 0.1,
                           'optim.decay_steps': 100, 'optim.warmup_steps': 10,
                           'optim.end_fraction': 0.1})
-  schedule = train.learning_rate_schedule(config.optim)
+  schedule = optim.learning_rate_schedule(config.optim)
   values = np.array([schedule(s) for s in range(0, 101)])
   np.testing.assert_allclose(values[[0, 5, 10, 100]], [0.0, 0.05, 0.1, 0.01], rtol=1e-5,
                              atol=1e-8)
@@ -158,7 +158,7 @@ def test_cosine_schedule_with_warmup():
 def test_warmup_before_the_papers_schedule():
   config = tiny_config(**{'optim.learning_rate': 0.1, 'optim.decay_steps': 10,
                           'optim.decay_rate': 0.5, 'optim.warmup_steps': 4})
-  schedule = train.learning_rate_schedule(config.optim)
+  schedule = optim.learning_rate_schedule(config.optim)
   # After the warmup the exponential schedule counts from the end of the warmup.
   np.testing.assert_allclose([schedule(0), schedule(2), schedule(4), schedule(14)],
                              [0.0, 0.05, 0.1, 0.05], rtol=1e-6)
@@ -166,7 +166,7 @@ def test_warmup_before_the_papers_schedule():
 
 def test_adamw_takes_steps():
   config = tiny_config(**{'optim.name': 'adamw', 'optim.weight_decay': 1e-4})
-  optimizer = train.make_optimizer(config.optim)
+  optimizer = optim.make_optimizer(config.optim)
   params = {'w': jnp.ones(3)}
   state = optimizer.init(params)
   updates, _ = optimizer.update({'w': jnp.array([1.0, -1.0, 0.5])}, state, params)

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from cht_jax import methods
+from cht_jax import optim
 from cht_jax import train
 from cht_jax.data import omniglot
 from cht_jax.runtime import checkpoints
@@ -424,7 +425,7 @@ def test_checkpoint_of_another_config_is_refused_before_any_work(tmp_path):
   workdir = str(tmp_path / 'work')
   saved = tiny_config()
   state = jax.eval_shape(lambda: train.init_state(
-      methods.build(saved), train.make_optimizer(saved.optim), jax.random.key(0),
+      methods.build(saved), optim.make_optimizer(saved.optim), jax.random.key(0),
       devices.data_mesh()))
   state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), state)
   manager = checkpoints.manager(workdir, saved)

@@ -9,6 +9,7 @@ import pytest
 
 from cht_jax import continual
 from cht_jax import methods
+from cht_jax import optim
 from cht_jax import train
 from cht_jax.runtime import checkpoints
 from cht_jax.runtime import devices
@@ -17,7 +18,7 @@ from conftest import class_images, make_episode, tiny_config
 
 def make_state(config, key=0):
   method = methods.build(config)
-  optimizer = train.make_optimizer(config.optim)
+  optimizer = optim.make_optimizer(config.optim)
   state = train.init_state(method, optimizer, jax.random.key(key), devices.data_mesh())
   return method, optimizer, state
 
@@ -59,16 +60,16 @@ def test_looped_and_vmapped_episodes_give_the_same_gradient(tiny_ht, tiny_params
 def test_optimizers_and_schedule(name):
   config = tiny_config(**{'optim.name': name, 'optim.learning_rate': 0.1,
                           'optim.decay_steps': 10, 'optim.decay_rate': 0.5})
-  schedule = train.learning_rate_schedule(config.optim)
+  schedule = optim.learning_rate_schedule(config.optim)
   # Continuous decay, as tf.train.exponential_decay in the original HT: 0.1 * 0.5**(s / 10).
   np.testing.assert_allclose([schedule(0), schedule(9), schedule(10), schedule(25)],
                              [0.1, 0.1 * 0.5**0.9, 0.05, 0.1 * 0.5**2.5], rtol=1e-6)
-  assert train.make_optimizer(config.optim) is not None
+  assert optim.make_optimizer(config.optim) is not None
 
 
 def test_unknown_optimizer_is_named():
   with pytest.raises(ValueError, match='optim.name'):
-    train.make_optimizer(tiny_config(**{'optim.name': 'lbfgs'}).optim)
+    optim.make_optimizer(tiny_config(**{'optim.name': 'lbfgs'}).optim)
 
 
 def test_checkpoint_round_trip(tmp_path):

@@ -7,14 +7,17 @@
   maml.py       MAML++
 
 `build(config)` returns the method of `config.method`; training (train.py) and
-the evaluation protocol (evaluate.py) only call through that object. Adding a
-method: a file here, its class in REGISTRY, its name in
-`config_validation.METHODS`, and a config.
+the evaluation protocol (evaluate.py) only call through that object, and
+`check_training_episodes` checks its training episodes against the loaded data
+before training compiles anything. Adding a method: a file here, its class in
+REGISTRY, its name in `config_validation.METHODS`, and a config.
 """
 
 import ml_collections
+import numpy as np
 
 from cht_jax import config_validation
+from cht_jax.data import episodes as episodes_lib
 from cht_jax.methods import base
 from cht_jax.methods import cht
 from cht_jax.methods import constpn
@@ -61,3 +64,21 @@ def build(config: ml_collections.ConfigDict, num_train_classes: int | None = Non
 
 def display_name(config: ml_collections.ConfigDict) -> str:
   return method_class(config).display_name
+
+
+def check_training_episodes(method: Method, dataset: dict) -> None:
+  """The sampler's rules against the loaded training split, before compiling.
+
+  Config validation knows class counts only from the config (the multi-domain
+  datasets' nominal counts); the loaded data may hold fewer classes.
+  """
+  if method.config.data.pipeline == 'host' or not hasattr(method, 'training_spec'):
+    return  # The host pipeline checks its own split; sequential methods sample theirs.
+  sizes = dataset.get('domain_sizes', {}).get('train', ())
+  num_classes, images_per_class = np.shape(dataset['train'])[:2]
+  problems = episodes_lib.spec_problems(
+      method.training_spec(sizes), num_classes, images_per_class,
+      split="the loaded 'train' split", remedy='fewer ways or tasks per episode, or more data')
+  if problems:
+    raise config_validation.ConfigError(
+        f'{method.display_name} cannot draw its training episodes: ' + ' '.join(problems))

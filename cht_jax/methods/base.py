@@ -60,7 +60,7 @@ class Method:
 
   def learning_rate(self, optim):
     del optim
-    return None  # The paper's schedule (`train.learning_rate_schedule`).
+    return None  # The paper's schedule (`optim.learning_rate_schedule`).
 
   def step_variant(self, step: int) -> tuple[Any, Any]:
     del step

@@ -10,12 +10,21 @@ in a row.
 A collapse can also stay finite: at high learning rates the training loss has
 jumped within a few hundred steps and never come back (docs/results.md,
 sections 3, 6 and 10). `LossSpikes` says when a log window's mean loss is such
-a jump; with `train.loss_spike_factor` the loop then rolls back to an earlier
-state and goes on at a lower learning rate (train.py).
+a jump; with `train.loss_spike_factor` the training loop then rolls back to an
+earlier state and goes on at a lower learning rate (`Rollbacks`).
+
+`checkpointed_error` is the error that ends a run: the reason, the last good
+checkpoint and how to go on.
 """
 
+import collections
+
 from absl import logging
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from cht_jax.runtime import checkpoints
 
 MAX_CONSECUTIVE_SKIPS = 20  # With on_divergence='skip', more than this stops the run.
 # Train-step metrics that must be finite for the step's update to be applied
@@ -114,3 +123,74 @@ class LossSpikes:
   def forget_after(self, step: int) -> None:
     """Forgets the windows after `step` (rolled back past)."""
     self._healthy = [(s, l) for s, l in self._healthy if s <= step]
+
+
+def checkpointed_error(reason: str, manager, policy: str) -> DivergenceError:
+  """`error` once the saves in flight of the checkpoint manager have landed."""
+  try:
+    manager.wait_until_finished()  # An earlier, good save may be in flight.
+  except Exception as e:  # pylint: disable=broad-except
+    logging.error('Saving an earlier checkpoint failed: %s', checkpoints.root_cause(e))
+  manager.reload()
+  return error(reason, manager.latest_step(), manager.directory, policy)
+
+
+class Rollbacks:
+  """`train.loss_spike_factor`: rolling back a finite collapse (`LossSpikes`).
+
+  At the end of each healthy log window the state is copied (the last two are
+  kept). When a window is a spike, training goes back to the older copy, one
+  window before the last healthy one, since a collapse builds up over a few
+  hundred steps; the rows and checkpoints of later steps are dropped, and from
+  there on the learning rate is ROLLBACK_LEARNING_RATE_FACTOR times what it
+  was. A 'rollback' row in metrics.jsonl at the step rolled back to records the
+  new scale, so a resumed run goes on with it. The steps' data stay a function
+  of (seed, step): the rerun steps see the same episodes at the lower rate.
+  """
+
+  def __init__(self, factor: float, log, first_step: int):
+    """`factor`: train.loss_spike_factor (0: off); `log`: the run's
+    `workdir.MetricsLog`; `first_step`: the step training starts from."""
+    self._log = log
+    self._spikes = LossSpikes(factor)
+    self._enabled = bool(factor)
+    rows = [r for r in log.rows('rollback') if r['step'] <= first_step]
+    self._count = len(rows)
+    self.learning_rate_scale = rows[-1]['rollback/learning_rate_scale'] if rows else 1.0
+    self._copies = collections.deque(maxlen=2)
+    self._copy = jax.jit(lambda state: jax.tree.map(jnp.copy, state))
+    self._reason = None  # Why the last window checked is a spike.
+
+  def is_spike(self, step: int, loss: float, state) -> bool:
+    """Records the log window ending at `step`; copies `state` if it is healthy."""
+    if not self._enabled:
+      return False
+    self._reason = self._spikes.check(step, loss)
+    if self._reason is None:
+      self._copies.append(self._copy(state))
+    return self._reason is not None
+
+  def roll_back(self, step: int, manager):
+    """The (training) state to go on from after the spike found at `step`."""
+    self._count += 1
+    if self._count > MAX_ROLLBACKS:
+      # Policy 'skip': the advice then leaves out on_divergence, which is about NaNs.
+      raise checkpointed_error(
+          f'Training collapsed at step {step}: {self._reason}, after '
+          f'{MAX_ROLLBACKS} rollbacks (train.loss_spike_factor).', manager, 'skip')
+    target = self._copies[0]
+    to_step = int(target.step)
+    self.learning_rate_scale *= ROLLBACK_LEARNING_RATE_FACTOR
+    logging.warning('Loss spike at step %d: %s. Rolling back to step %d, learning rate x%g '
+                    'from there (rollback %d of at most %d).', step, self._reason, to_step,
+                    self.learning_rate_scale, self._count, MAX_ROLLBACKS)
+    manager.wait_until_finished()
+    for saved in manager.all_steps():
+      if saved > to_step:  # Written on the abandoned way.
+        manager.delete(saved)
+    self._log.drop_after(to_step)
+    self._log.write(to_step, 'rollback', {'from_step': step,
+                                          'learning_rate_scale': self.learning_rate_scale})
+    self._spikes.forget_after(to_step)
+    self._copies = collections.deque([target], maxlen=2)
+    return self._copy(target)  # `target` stays: the step donates what it is given.

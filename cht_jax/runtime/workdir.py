@@ -143,7 +143,7 @@ def _parse_row(line: str) -> dict[str, Any] | None:
 class MetricsLog:
   """TensorBoard summaries and a JSON-lines copy (`metrics.jsonl`) for scripts."""
 
-  # The rows the training loop writes ('rollback': train.py's loss-spike rollbacks).
+  # The rows the training loop writes ('rollback': divergence.Rollbacks).
   TRAINING_SPLITS = ('train', 'validation', 'rollback')
 
   def __init__(self, workdir: str):

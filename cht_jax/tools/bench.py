@@ -33,6 +33,7 @@ from cht_jax import api
 from cht_jax import continual
 from cht_jax import methods
 from cht_jax import models
+from cht_jax import optim
 from cht_jax import train
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
@@ -143,7 +144,7 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   config = config.copy_and_resolve_references()
   config.train.episodes_per_step = batch_size
   method = methods.build(config)
-  optimizer = train.make_optimizer(config.optim)
+  optimizer = optim.make_optimizer(config.optim)
   mesh = devices.data_mesh(batch_size)
   state = train.init_state(method, optimizer, jax.random.key(0), mesh)
   step = train.make_train_step(method, optimizer, mesh)

@@ -98,11 +98,12 @@ def bench_pipeline(config, num_steps: int) -> dict:
 def bench_step(config, num_steps: int) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   from cht_jax import methods  # pylint: disable=g-import-not-at-top
+  from cht_jax import optim  # pylint: disable=g-import-not-at-top
   from cht_jax import train  # pylint: disable=g-import-not-at-top
   from cht_jax.data import datasets  # pylint: disable=g-import-not-at-top
   from cht_jax.runtime import devices  # pylint: disable=g-import-not-at-top
   method = methods.build(config)
-  optimizer = train.make_optimizer(config.optim)
+  optimizer = optim.make_optimizer(config.optim)
   mesh = devices.data_mesh(config.train.episodes_per_step)
   shape = datasets.image_shape(config)
   spec = datasets.episode_spec(config)
