@@ -58,7 +58,7 @@ def make_ht(**fields) -> ht_lib.HyperTransformer:
   from cht_jax import models  # pylint: disable=g-import-not-at-top
   from configs import omniglot_t5  # pylint: disable=g-import-not-at-top
   plain = {'conv_impl': 'patches', 'encoder_impl': 'xla', 'activation_features': None}
-  return models.build_hypertransformer(omniglot_t5.get_config()).clone(**plain, **fields)
+  return models.build_hypertransformer(omniglot_t5.get_config()).clone(**{**plain, **fields})
 
 
 @pytest.fixture(scope='session')
