@@ -31,6 +31,8 @@ from matplotlib import figure as figure_lib
 from matplotlib import lines as lines_lib
 import numpy as np
 
+from cht_jax.runtime import workdir
+
 SETTINGS = ('task_incremental', 'class_incremental')
 _TITLES = {'task_incremental': 'Task-incremental', 'class_incremental': 'Class-incremental'}
 _BASELINE_STYLES = {
@@ -38,6 +40,14 @@ _BASELINE_STYLES = {
     'Merged HT': dict(color='tab:blue', linestyle='none', marker='*', markersize=11),
 }
 _OTHER_BASELINE = dict(color='grey', linestyle=':', marker=None)
+
+
+def _save(fig: figure_lib.Figure, output: str, dpi: int) -> str:
+  """Writes `fig` to `output` whole or not at all: a full disk or a kill mid-write
+  leaves the figure before, never a torn one (`workdir.atomic_path`)."""
+  with workdir.atomic_path(output) as tmp:
+    fig.savefig(tmp, dpi=dpi)
+  return output
 
 
 def load_results(paths: Sequence[str]) -> list[dict[str, Any]]:
@@ -147,8 +157,7 @@ def plot_results(results: Sequence[dict[str, Any]], output: str,
   legend_rows = -(-len(handles) // ncol)
   fig.legend(handles=handles, loc='lower center', ncol=ncol, fontsize='small', frameon=False)
   fig.tight_layout(rect=(0, min(0.4, 0.3 * legend_rows / fig.get_figheight()), 1, 1))
-  fig.savefig(output, dpi=120)
-  return output
+  return _save(fig, output, dpi=120)
 
 
 def plot_curve(curve: dict[str, list[float]], title: str, output: str) -> str:
@@ -164,8 +173,7 @@ def plot_curve(curve: dict[str, list[float]], title: str, output: str) -> str:
   axes[0].set_ylabel('validation accuracy')
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
-  fig.savefig(output, dpi=110)
-  return output
+  return _save(fig, output, dpi=110)
 
 
 def plot_levers(curves: dict[str, list[tuple[int, float]]], output: str) -> str:
@@ -179,8 +187,7 @@ def plot_levers(curves: dict[str, list[tuple[int, float]]], output: str) -> str:
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(output, dpi=110)
-  return output
+  return _save(fig, output, dpi=110)
 
 
 PROJECTORS = ('umap', 'pca')
@@ -280,8 +287,7 @@ def plot_embeddings(prototypes: np.ndarray, query_embeddings: np.ndarray,
   axes[-1].legend(fontsize='small', loc='best')
   fig.suptitle(f'{projector.upper()} of prototypes (stars) and queries, aligned by Procrustes')
   fig.tight_layout()
-  fig.savefig(output, dpi=120)
-  return output
+  return _save(fig, output, dpi=120)
 
 
 FLAGS = flags.FLAGS

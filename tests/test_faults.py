@@ -20,6 +20,7 @@ from conftest import REPO_ROOT, class_images, tiny_config
 import numpy as np
 import pytest
 
+from cht_jax import plots
 from cht_jax import reports
 from cht_jax.data import omniglot
 from cht_jax.runtime import checkpoints
@@ -96,15 +97,25 @@ def test_a_disk_that_fills_keeps_the_earlier_results_whole(tmp_path, monkeypatch
   json.loads(before[paths[0]])
 
 
-def test_a_figure_that_fails_midway_leaves_no_file(tmp_path):
-  path = str(tmp_path / 'figure.png')
-  with pytest.raises(OSError):
-    with workdir_lib.atomic_path(path) as partial:
-      assert partial.endswith('.png')  # savefig picks the format from the name.
-      with open(partial, 'wb') as f:
-        f.write(b'\x89PNG')
-      raise OSError(errno.ENOSPC, 'No space left on device')
-  assert os.listdir(tmp_path) == []
+def test_a_figure_that_fails_midway_keeps_the_earlier_one(tmp_path, monkeypatch):
+  """--eval_embeddings' figure (every figure goes through plots._save)."""
+  path = str(tmp_path / 'embeddings.png')
+  with open(path, 'wb') as f:
+    f.write(b'the earlier figure')
+
+  def savefig(fig, name, **kwargs):
+    del fig, kwargs
+    assert name.endswith('.png')  # Matplotlib picks the format from the name.
+    with open(name, 'wb') as f:
+      f.write(b'\x89PNG')
+    raise OSError(errno.ENOSPC, 'No space left on device')
+  monkeypatch.setattr(plots.figure_lib.Figure, 'savefig', savefig)
+  rng = np.random.default_rng(0)
+  with pytest.raises(OSError, match='No space'):
+    plots.plot_embeddings(rng.normal(size=(2, 3, 4)), rng.normal(size=(3, 6, 4)),
+                          np.tile(np.repeat(np.arange(3), 2), (2, 1)), path, projector='pca')
+  assert os.listdir(tmp_path) == ['embeddings.png']
+  assert open(path, 'rb').read() == b'the earlier figure'
 
 
 def test_result_files_follow_the_umask(tmp_path):
