@@ -200,7 +200,7 @@ SCHEMA: dict[str, Check] = {
     'train.eval_episodes': _integer(1),
     'train.on_divergence': _choice(ON_DIVERGENCE),
     'train.loss_spike_factor': _off_or_above(1),
-    # Table 1 baselines trained by gradient descent (cht_jax/baselines).
+    # Table 1 baselines trained by gradient descent (cht_jax/methods).
     'baseline.inner_steps': _integer(1),
     'baseline.inner_learning_rate': _number(0),
     'baseline.head_init': _choice(('zeros', 'glorot')),

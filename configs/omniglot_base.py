@@ -132,7 +132,7 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   # What makes the CNN's weights (cht_jax/methods/): 'cht', or the baselines
   # 'constpn' (trained CNN, prototypical network) and 'merged_ht' (one HT over
   # the T tasks merged into one K*T-way task), or the Table 1 baselines trained
-  # by gradient descent, 'finetune', 'ewc', 'maml' (cht_jax/baselines).
+  # by gradient descent, 'finetune', 'ewc', 'maml' (cht_jax/methods).
   config.method = 'cht'
   config.constpn_ways_multiplier = 5  # ConstPN trains on 5x the ways (100-way for 20-way).
 

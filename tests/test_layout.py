@@ -15,7 +15,7 @@ FLOORS = (
     ('runtime',),
     ('continual', 'config_validation'),  # The core: Algorithm 1's scan; the config's rules.
     ('reports', 'plots'),  # Result files and figures.
-    ('baselines', 'methods'),  # What produces theta_t.
+    ('methods',),  # What produces theta_t.
     ('evaluate',),  # The protocol.
     ('train', 'api'),
     ('main', 'tools'),  # Entry points.

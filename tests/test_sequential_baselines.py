@@ -1,4 +1,4 @@
-"""Table 1 baselines (cht_jax/baselines, cht_jax/methods): EWC, fine-tuning, MAML++ and
+"""Table 1 baselines (cht_jax/methods): EWC, fine-tuning, MAML++ and
 their shared scan, trained and evaluated by the one trainer and protocol."""
 
 import json
@@ -13,11 +13,10 @@ from cht_jax import config_validation
 from cht_jax import evaluate
 from cht_jax import methods
 from cht_jax import train
-from cht_jax.baselines import ewc
-from cht_jax.baselines import maml
-from cht_jax.baselines import pretrain
-from cht_jax.baselines import rules
-from cht_jax.baselines import sequential
+from cht_jax.methods import ewc
+from cht_jax.methods import finetune
+from cht_jax.methods import maml
+from cht_jax.methods import sequential
 from cht_jax.models import cnn as cnn_lib
 from conftest import class_images
 
@@ -87,7 +86,7 @@ def test_fisher_diagonal_matches_per_sample_brute_force(kind):
 def test_ewc_rule_records_fisher_and_anchor():
   theta = small_theta()
   images, labels = small_task(4)
-  rule = rules.ewc_rule(SMALL, ways=2, num_steps=2, learning_rate=0.1, ewc_lambda=5.0)
+  rule = ewc.ewc_rule(SMALL, ways=2, num_steps=2, learning_rate=0.1, ewc_lambda=5.0)
   state = ewc.init_state(theta, num_tasks=3)
   theta_0, (fishers, anchors), _ = rule(theta, state, images[0], labels[0], 0)
   assert_trees_close(jax.tree.map(lambda a: a[0], anchors), theta_0)
@@ -114,7 +113,7 @@ def test_finetune_step_hand_computed(t):
   lr = 0.5
   kernel = -lr * x.T @ (p - one_hot) / 2
   bias = -lr * (p - one_hot).mean(axis=0)
-  update = rules.finetune_rule(LINEAR, ways=2, num_steps=1, learning_rate=lr)
+  update = finetune.finetune_rule(LINEAR, ways=2, num_steps=1, learning_rate=lr)
   new, state, _ = update(theta, (), jnp.asarray(x).reshape(2, 1, 1, 2), jnp.asarray(labels), t)
   np.testing.assert_allclose(new['head']['kernel'], kernel, rtol=1e-6)
   np.testing.assert_allclose(new['head']['bias'], bias, rtol=1e-6, atol=1e-8)
@@ -141,7 +140,7 @@ def test_sgd_steps_with_per_leaf_per_step_rates_and_first_order():
 def test_scan_over_tasks_equals_a_python_loop():
   theta = small_theta(1)
   images, labels = small_task(5)
-  rule = rules.ewc_rule(SMALL, ways=2, num_steps=2, learning_rate=0.2, ewc_lambda=10.0)
+  rule = ewc.ewc_rule(SMALL, ways=2, num_steps=2, learning_rate=0.2, ewc_lambda=10.0)
   scanned = jax.jit(lambda: sequential.run_sequence(
       rule, theta, ewc.init_state(theta, 3), images, labels))()
   current, state = theta, ewc.init_state(theta, 3)
@@ -172,11 +171,11 @@ def test_task_and_class_incremental_indexing_of_the_head():
 
 def test_fresh_head_keeps_the_conv_blocks():
   theta = small_theta()
-  new = pretrain.fresh_head(theta, 10, 'zeros')
+  new = finetune.fresh_head(theta, 10, 'zeros')
   assert new['head']['kernel'].shape == (theta['head']['kernel'].shape[0], 10)
   np.testing.assert_array_equal(new['head']['kernel'], 0.0)
   assert_trees_close(new['block_0'], theta['block_0'])
-  glorot = pretrain.fresh_head(theta, 10, 'glorot', jax.random.key(0))
+  glorot = finetune.fresh_head(theta, 10, 'glorot', jax.random.key(0))
   assert float(jnp.abs(glorot['head']['kernel']).sum()) > 0
 
 

@@ -3,8 +3,10 @@
   cht.py        the Continual HyperTransformer (Algorithm 1; T=1 is plain HT)
   constpn.py    ConstPN: one trained CNN for every task
   merged_ht.py  Merged HT: one HT over all tasks merged into one
-  finetune.py   pretraining + fine-tuning, and EWC
+  finetune.py   pretraining + fine-tuning
+  ewc.py        EWC: fine-tuning plus its penalty on earlier tasks
   maml.py       MAML++
+  sequential.py the task-by-task scan of the three above, theta_t = update(theta_{t-1}, S(t))
 
 `build(config)` returns the method of `config.method`; training (train.py) and
 the evaluation protocol (evaluate.py) only call through that object, and
@@ -21,6 +23,7 @@ from cht_jax.data import episodes as episodes_lib
 from cht_jax.methods import base
 from cht_jax.methods import cht
 from cht_jax.methods import constpn
+from cht_jax.methods import ewc
 from cht_jax.methods import finetune
 from cht_jax.methods import maml
 from cht_jax.methods import merged_ht
@@ -31,7 +34,7 @@ REGISTRY = {
     'constpn': constpn.ConstPN,
     'merged_ht': merged_ht.MergedHT,
     'finetune': finetune.Finetune,
-    'ewc': finetune.EWC,
+    'ewc': ewc.EWC,
     'maml': maml.MAML,
 }
 

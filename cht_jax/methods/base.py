@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from cht_jax import continual
-from cht_jax.baselines import sequential
+from cht_jax.methods import sequential
 from cht_jax.data import augment as augment_lib
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib

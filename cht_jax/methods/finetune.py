@@ -1,25 +1,107 @@
-"""Pretraining + fine-tuning, and EWC: the Table 1 baselines that fine-tune a pretrained CNN.
+"""Pretraining + fine-tuning: the Table 1 baseline that fine-tunes a pretrained CNN.
 
 Training pretrains `models.cnn.CNN` with a head over all C training classes
-(config.train.num_steps batches of baseline.pretrain_batch_size images,
-baselines/pretrain.py). Evaluation fine-tunes it task after task with a fresh
-K*T head: baseline.inner_steps SGD steps of baseline.inner_learning_rate on
-each S(t) (baselines/rules.py), plus, for EWC, the penalty of the earlier
-tasks (baseline.ewc_lambda, baseline.ewc_fisher; baselines/ewc.py).
+(config.train.num_steps batches of baseline.pretrain_batch_size images, sampled
+on the device from the uint8 class images, as training does for CHT).
+Evaluation keeps its conv blocks (and BatchNorm scales and offsets), replaces
+the head by a fresh K*T one (`fresh_head`) and fine-tunes it task after task:
+baseline.inner_steps SGD steps of baseline.inner_learning_rate on each S(t)
+(`finetune_rule`, run by sequential.py). EWC (ewc.py) adds its penalty.
 """
 
 import dataclasses
 from typing import Any
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import ml_collections
 
 from cht_jax import config_validation
-from cht_jax.baselines import ewc
-from cht_jax.baselines import pretrain
-from cht_jax.baselines import rules
-from cht_jax.baselines import sequential
+from cht_jax import losses
 from cht_jax.data import datasets
+from cht_jax.data import episodes as episodes_lib
 from cht_jax.methods import base
+from cht_jax.methods import sequential
+from cht_jax.models import cnn as cnn_lib
+from cht_jax.models import ops
+
+HEAD_INITS = ('zeros', 'glorot')
+
+
+def build_cnn(config: ml_collections.ConfigDict, num_outputs: int) -> cnn_lib.CNN:
+  """The config's CNN (channels, blocks, conv implementation) with `num_outputs` logits.
+
+  MAML++ differentiates through its inner loop (second order), which the fused
+  CPU kernel cannot: 'auto' gives 'patches' there.
+  """
+  model = config.model
+  conv_impl = ops.resolve_conv_impl(model.conv_impl, second_order=config.method == 'maml')
+  return cnn_lib.CNN(channels=(model.channels,) * model.num_blocks,
+                     embedding_dim=num_outputs, conv_impl=conv_impl,
+                     compute_dtype=model.compute_dtype)
+
+
+def init_theta(cnn: cnn_lib.CNN, key: jax.Array, image_shape: tuple[int, int, int]) -> Any:
+  """Glorot kernels, BatchNorm scale 1 and offset 0, zero head bias, for images of
+  `image_shape` (H, W, channels)."""
+  return cnn.init(key, jnp.zeros((1, *image_shape)))['params']
+
+
+def sample_batch(key: jax.Array, class_images: jax.Array, batch_size: int, rotate: bool):
+  """B random (class, image) pairs of the split, with replacement.
+
+  Args:
+    class_images: uint8 [C, M, H, W, D].
+    rotate: rotate each image by a random multiple of 90 degrees (keeping its
+      label), the augmentation CHT's episodes use.
+
+  Returns:
+    (images float32 [B, H, W, D] scaled x/128 - 1, labels int32 [B] in 0..C-1).
+  """
+  num_classes, num_images = class_images.shape[:2]
+  class_key, image_key, rotate_key = jax.random.split(key, 3)
+  labels = jax.random.randint(class_key, (batch_size,), 0, num_classes)
+  images = jnp.asarray(class_images)[labels, jax.random.randint(
+      image_key, (batch_size,), 0, num_images)]
+  if rotate:
+    images = episodes_lib.rotate90(images[:, None],
+                                   jax.random.randint(rotate_key, (batch_size,), 0, 4))[:, 0]
+  return episodes_lib.normalize(images), labels.astype(jnp.int32)
+
+
+def batch_loss(cnn: cnn_lib.CNN, theta: Any, images: jax.Array, labels: jax.Array):
+  """(mean cross-entropy over all C classes, accuracy) of one batch."""
+  return losses.cross_entropy_and_accuracy(cnn.apply({'params': theta}, images), labels)
+
+
+def fresh_head(theta: Any, num_outputs: int, init: str = 'zeros',
+               key: jax.Array | None = None) -> Any:
+  """theta with its head replaced by a new one of `num_outputs` logits.
+
+  Args:
+    init: 'zeros' (kernel and bias 0: every class starts equally likely) or
+      'glorot' (Glorot-uniform kernel from `key`, zero bias).
+  """
+  in_dim = theta['head']['kernel'].shape[0]
+  dtype = theta['head']['kernel'].dtype
+  if init == 'zeros':
+    kernel = jnp.zeros((in_dim, num_outputs), dtype)
+  elif init == 'glorot':
+    kernel = nn.initializers.glorot_uniform()(key, (in_dim, num_outputs), dtype)
+  else:
+    raise ValueError(f'Unknown head init {init!r}; expected one of {HEAD_INITS}.')
+  return {**theta, 'head': {'kernel': kernel, 'bias': jnp.zeros((num_outputs,), dtype)}}
+
+
+def finetune_rule(cnn: cnn_lib.CNN, ways: int, num_steps: int,
+                  learning_rate: float) -> sequential.UpdateFn:
+  """Plain fine-tuning: k SGD steps on S(t); no state."""
+  def update(theta, state, images, labels, t):
+    loss = lambda th: sequential.support_loss(cnn, th, images, labels, t, ways)
+    theta, _ = sequential.sgd_steps(loss, theta, learning_rate, num_steps)
+    return theta, state, theta
+  return update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +121,10 @@ class Finetune(base.SequentialMethod):
     return cls(config, num_train_classes=num_train_classes)
 
   def pretraining_cnn(self):
-    return pretrain.build_cnn(self.config, self.num_train_classes)
+    return build_cnn(self.config, self.num_train_classes)
 
   def init(self, key) -> Any:
-    return pretrain.init_theta(self.pretraining_cnn(), key, datasets.image_shape(self.config))
+    return init_theta(self.pretraining_cnn(), key, datasets.image_shape(self.config))
 
   def grads(self, params, data, key, **unused):
     """The cross-entropy over all C classes of one random batch of training images."""
@@ -50,9 +132,9 @@ class Finetune(base.SequentialMethod):
     cnn, b = self.pretraining_cnn(), self.config.baseline
 
     def loss_fn(params):
-      images, labels = pretrain.sample_batch(key, data, b.pretrain_batch_size,
+      images, labels = sample_batch(key, data, b.pretrain_batch_size,
                                              self.config.data.rotate)
-      loss, accuracy = pretrain.batch_loss(cnn, params, images, labels)
+      loss, accuracy = batch_loss(cnn, params, images, labels)
       return loss, {'loss': loss, 'accuracy': accuracy}
 
     return jax.grad(loss_fn, has_aux=True)(params)
@@ -64,29 +146,16 @@ class Finetune(base.SequentialMethod):
     """(rule, its initial state) for `sequential.run_sequence`."""
     del num_tasks, theta
     b = self.config.baseline
-    return rules.finetune_rule(cnn, self.config.episode.ways, b.inner_steps,
+    return finetune_rule(cnn, self.config.episode.ways, b.inner_steps,
                                b.inner_learning_rate), ()
 
   def sequence_learner(self, params, num_tasks: int):
     """(cnn with a K*num_tasks head, learn(support_images [T, S, ...], support_labels
     [T, S]) -> theta_0..theta_{T-1}, leaves [T, ...]) of the pretrained `params`."""
     num_outputs = self.config.episode.ways * num_tasks
-    cnn = pretrain.build_cnn(self.config, num_outputs)
-    theta = pretrain.fresh_head(params, num_outputs, self.config.baseline.head_init,
+    cnn = build_cnn(self.config, num_outputs)
+    theta = fresh_head(params, num_outputs, self.config.baseline.head_init,
                                 jax.random.fold_in(jax.random.key(self.config.seed), 1))
     rule, state = self.update_rule(cnn, num_tasks, theta)
     return cnn, lambda images, labels: sequential.run_sequence(rule, theta, state, images,
                                                                labels)
-
-
-@dataclasses.dataclass(frozen=True)
-class EWC(Finetune):
-  """Fine-tuning plus EWC's penalty on the earlier tasks' parameters."""
-  name = 'ewc'
-  display_name = 'EWC'
-
-  def update_rule(self, cnn, num_tasks: int, theta):
-    b = self.config.baseline
-    rule = rules.ewc_rule(cnn, self.config.episode.ways, b.inner_steps,
-                          b.inner_learning_rate, b.ewc_lambda, b.ewc_fisher)
-    return rule, ewc.init_state(theta, num_tasks)

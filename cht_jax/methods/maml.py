@@ -1,10 +1,36 @@
-"""MAML++: a meta-learned initialisation and inner learning rates (baselines/maml.py).
+"""MAML++ (Antoniou et al., 2019) run continually over the tasks of an episode.
 
 Meta-trained on episodes of the training classes for config.train.num_steps
 steps: first order for the first baseline.maml_first_order_steps, with the
 multi-step loss for the first baseline.maml_msl_anneal_steps, the meta rate
 annealed by cosine to baseline.maml_min_learning_rate. Evaluation runs its
 inner loop task after task on a K*T head.
+
+Meta-parameters: theta^0, a CNN with a K*T head (class k of task t is output
+t*K + k), and, with LSLR, one inner learning rate per parameter tensor and per
+inner step. For an episode, theta_{-1} = theta^0 and task t runs k inner steps
+  theta_t^{(j+1)} = theta_t^{(j)} - lr[leaf, j] * grad L_{S(t)}(theta_t^{(j)}),
+  theta_t^{(0)} = theta_{t-1},  theta_t = theta_t^{(k)},
+with L_{S(t)} the support cross-entropy over the classes of tasks 0..t (the
+same rule as fine-tuning, `sequential.support_loss`). The outer loss mirrors
+CHT's Algorithm 1: sum over t and tau <= t of the class-incremental
+cross-entropy of Q(tau) under theta_t; with the multi-step loss, each term is
+the weighted sum over the inner steps j of theta_t^{(j)}.
+
+MAML++ features implemented:
+  * LSLR, learned per-layer (per parameter tensor) per-step inner rates
+    (`baseline.maml_learn_inner_lr`; False keeps them fixed);
+  * multi-step loss with MAML++'s annealed importance weights
+    (`baseline.maml_multi_step_loss`, `baseline.maml_msl_anneal_steps`);
+  * derivative-order annealing: first order for the first
+    `baseline.maml_first_order_steps` meta-steps, second order after;
+  * cosine annealing of the meta-optimiser's learning rate
+    (`baseline.maml_cosine_annealing`, down to `baseline.maml_min_learning_rate`).
+Not implemented: per-step BatchNorm running statistics (BNRS; our CNN always
+normalises with the batch's own statistics, as CHT's does, so there are no
+running statistics) and per-step BatchNorm weights and biases (BNWB; the
+scales and offsets are meta-learned but shared across steps); MAML++'s
+weight-decay of the meta-parameters.
 """
 
 import dataclasses
@@ -12,14 +38,103 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from cht_jax.baselines import maml
-from cht_jax.baselines import pretrain
+from cht_jax import continual
+from cht_jax import losses
 from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.methods import base
+from cht_jax.methods import finetune
+from cht_jax.methods import sequential
+from cht_jax.models import cnn as cnn_lib
 from cht_jax.runtime import devices
+
+def init_params(theta: Any, num_steps: int, inner_learning_rate: float) -> dict:
+  """{'theta': theta^0, 'lslr': leaves [num_steps], all `inner_learning_rate`}."""
+  lslr = jax.tree.map(lambda p: jnp.full((num_steps,), inner_learning_rate, p.dtype), theta)
+  return {'theta': theta, 'lslr': lslr}
+
+
+def inner_rule(cnn: cnn_lib.CNN, ways: int, lslr: Any, num_steps: int,
+               first_order: bool = False, keep_steps: bool = False) -> sequential.UpdateFn:
+  """The inner loop on S(t); its output is theta_t, or with `keep_steps` every
+  theta_t^{(j)}, j = 1..k (leaves [k, ...], for the multi-step loss)."""
+  def update(theta, state, images, labels, t):
+    loss = lambda th: sequential.support_loss(cnn, th, images, labels, t, ways)
+    theta, steps = sequential.sgd_steps(loss, theta, lslr, num_steps, first_order)
+    return theta, state, (steps if keep_steps else theta)
+  return update
+
+
+def learn(cnn: cnn_lib.CNN, params: dict, support_images: jax.Array, support_labels: jax.Array,
+          ways: int, num_steps: int, first_order: bool = False, keep_steps: bool = False,
+          learn_inner_lr: bool = True):
+  """theta_0..theta_{T-1} (leaves [T, ...]; [T, k, ...] with `keep_steps`) of one episode."""
+  lslr = params['lslr'] if learn_inner_lr else jax.lax.stop_gradient(params['lslr'])
+  rule = inner_rule(cnn, ways, lslr, num_steps, first_order, keep_steps)
+  return sequential.run_sequence(rule, params['theta'], (), support_images, support_labels)
+
+
+def multi_step_weights(step: int, num_steps: int, anneal_steps: int) -> np.ndarray:
+  """MAML++'s per-step loss importance at meta-step `step`: float32 [num_steps].
+
+  Uniform 1/k at step 0; the non-final weights fall linearly to 0.03/k over
+  `anneal_steps` while the final one grows (as MAML++'s
+  `get_per_step_loss_importance_vector`, with meta-steps for epochs); from
+  `anneal_steps` on, only the final step counts.
+  """
+  k = num_steps
+  if step >= anneal_steps:
+    return np.eye(k, dtype=np.float32)[-1]
+  weights = np.full(k, 1.0 / k)
+  decay = 1.0 / k / anneal_steps
+  floor = 0.03 / k
+  weights[:-1] = np.maximum(weights[:-1] - step * decay, floor)
+  weights[-1] = min(weights[-1] + step * (k - 1) * decay, 1.0 - (k - 1) * floor)
+  return weights.astype(np.float32)
+
+
+def episode_loss(cnn: cnn_lib.CNN, params: dict, episode: dict, ways: int, num_steps: int,
+                 step_weights: jax.Array | None = None, first_order: bool = False,
+                 learn_inner_lr: bool = True):
+  """The meta-loss of one episode and its metrics.
+
+  Args:
+    episode: support_images [T, S, H, W, C], support_labels [T, S],
+      query_images [T, Q, H, W, C], query_labels [T, Q].
+    step_weights: [k] multi-step loss weights, or None for the final step only.
+
+  Returns:
+    (loss, metrics): loss = sum_t sum_{tau<=t} sum_j w_j CE(Q(tau); theta_t^{(j)});
+    metrics 'loss', 'accuracy' (class-incremental, final inner step, mean
+    over the pairs) and 'final_accuracy' (theta_{T-1} on every task).
+  """
+  num_tasks = episode['support_images'].shape[0]
+  pairs = continual.TaskPairs.lower_triangle(num_tasks)
+  keep = step_weights is not None
+  outputs = learn(cnn, params, episode['support_images'], episode['support_labels'], ways,
+                  num_steps, first_order, keep_steps=keep, learn_inner_lr=learn_inner_lr)
+  if not keep:  # One "step": theta_t itself.
+    outputs = jax.tree.map(lambda leaf: leaf[:, None], outputs)
+    step_weights = jnp.ones((1,))
+
+  def one_pair(t, tau):
+    images, labels = episode['query_images'][tau], episode['query_labels'][tau]
+    def one_step(theta):
+      logits = cnn.apply({'params': theta}, images)
+      logits = sequential.mask_logits(
+          logits, sequential.seen_classes_mask(t, logits.shape[-1], ways))
+      return losses.cross_entropy_and_accuracy(logits, tau * ways + labels)
+    return jax.vmap(one_step)(jax.tree.map(lambda leaf: leaf[t], outputs))  # [k], [k]
+
+  cross_entropy, accuracy = jax.vmap(one_pair)(pairs.t, pairs.tau)  # [P, k]
+  loss = jnp.sum(cross_entropy @ step_weights)
+  final = pairs.t == num_tasks - 1
+  metrics = {'loss': loss, 'accuracy': jnp.mean(accuracy[:, -1]),
+             'final_accuracy': jnp.mean(accuracy[final, -1])}
+  return loss, metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +149,12 @@ class MAML(base.SequentialMethod):
 
   @property
   def cnn(self):
-    return pretrain.build_cnn(self.config, self.config.episode.ways * self.config.episode.num_tasks)
+    return finetune.build_cnn(self.config, self.config.episode.ways * self.config.episode.num_tasks)
 
   def init(self, key) -> Any:
     b = self.config.baseline
-    theta = pretrain.init_theta(self.cnn, key, datasets.image_shape(self.config))
-    return maml.init_params(theta, b.inner_steps, b.inner_learning_rate)
+    theta = finetune.init_theta(self.cnn, key, datasets.image_shape(self.config))
+    return init_params(theta, b.inner_steps, b.inner_learning_rate)
 
   def learning_rate(self, optim):
     """Cosine annealing from optim.learning_rate to baseline.maml_min_learning_rate."""
@@ -55,7 +170,7 @@ class MAML(base.SequentialMethod):
     b = self.config.baseline
     first_order = step <= b.maml_first_order_steps
     multi_step = bool(b.maml_multi_step_loss) and step - 1 < b.maml_msl_anneal_steps
-    weights = maml.multi_step_weights(step - 1, b.inner_steps, b.maml_msl_anneal_steps)
+    weights = multi_step_weights(step - 1, b.inner_steps, b.maml_msl_anneal_steps)
     return (first_order, multi_step), jnp.asarray(weights)
 
   def grads(self, params, data, key, *, mesh, variant=(False, False), inputs=None, **unused):
@@ -66,7 +181,7 @@ class MAML(base.SequentialMethod):
     episodes = episodes_lib.sample_episodes(key, data, datasets.episode_spec(config),
                                             config.train.episodes_per_step, config.data.rotate)
     episodes = jax.lax.with_sharding_constraint(episodes, jax.NamedSharding(mesh, jax.P('data')))
-    loss_fn = lambda p, episode: maml.episode_loss(
+    loss_fn = lambda p, episode: episode_loss(
         self.cnn, p, episode, config.episode.ways, b.inner_steps,
         inputs if multi_step else None, first_order, b.maml_learn_inner_lr)
     return devices.batch_grads(loss_fn, params, episodes, mesh, vectorize=True)
@@ -79,11 +194,10 @@ class MAML(base.SequentialMethod):
           f'MAML++ was meta-trained with a head for T={trained} tasks of {ways} classes; '
           f'it cannot be evaluated on {num_tasks} tasks. Use --eval_tasks <= {trained}.')
     num_outputs = ways * num_tasks
-    cnn = pretrain.build_cnn(self.config, num_outputs)
+    cnn = finetune.build_cnn(self.config, num_outputs)
     head = params['theta']['head']
     theta = {**params['theta'], 'head': {'kernel': head['kernel'][:, :num_outputs],
                                          'bias': head['bias'][:num_outputs]}}
-    learn = lambda images, labels: maml.learn(
+    return cnn, lambda images, labels: learn(
         cnn, {'theta': theta, 'lslr': params['lslr']}, images, labels, ways,
         self.config.baseline.inner_steps)
-    return cnn, learn

@@ -9,7 +9,7 @@ classes seen so far are those of tasks 0..t, outputs 0..(t+1)K-1.
   task-incremental: argmax over the K outputs of task tau.
 
 `run_sequence` is the `jax.lax.scan` over the T tasks of one episode, with the
-update rule plugged in (rules.py, maml.py); `episode_accuracies` scores every
+update rule plugged in (finetune.py, ewc.py, maml.py); `episode_accuracies` scores every
 theta_t on every query draw of every task tau <= t, as evaluate.py does for CHT.
 Everything is for one episode; vmap or lax.map over episodes.
 """

@@ -1,4 +1,4 @@
-"""Elastic weight consolidation (Kirkpatrick et al., 2017): its penalty and diagonal Fisher.
+"""EWC (Kirkpatrick et al., 2017): fine-tuning (finetune.py) plus a penalty on earlier tasks.
 
 After task tau the network theta*_tau and the diagonal Fisher F_tau of its
 log-likelihood on S(tau) are kept; learning task t then minimises
@@ -12,10 +12,15 @@ log-likelihood of one sample depends on the others; "per-sample" gradients
 below are gradients of sample n's log-likelihood under the batch forward pass.
 """
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+from cht_jax.methods import finetune
+from cht_jax.methods import sequential
+from cht_jax.models import cnn as cnn_lib
 
 FISHERS = ('empirical', 'true')
 Theta = Any
@@ -78,3 +83,31 @@ def record_task(state: tuple[Theta, Theta], t, fisher: Theta, theta: Theta):
   fishers, anchors = state
   put = lambda stacked, new: jax.tree.map(lambda s, n: s.at[t].set(n), stacked, new)
   return put(fishers, fisher), put(anchors, theta)
+
+
+def ewc_rule(cnn: cnn_lib.CNN, ways: int, num_steps: int, learning_rate: float,
+             ewc_lambda: float, fisher: str = 'empirical') -> sequential.UpdateFn:
+  """EWC: k SGD steps on S(t) plus the penalty; state from `ewc.init_state`."""
+  def update(theta, state, images, labels, t):
+    fishers, anchors = state
+    loss = lambda th: (sequential.support_loss(cnn, th, images, labels, t, ways)
+                       + penalty(th, fishers, anchors, ewc_lambda))
+    theta, _ = sequential.sgd_steps(loss, theta, learning_rate, num_steps)
+    log_probs = lambda th: sequential.seen_log_probs(cnn, th, images, t, ways)
+    fisher_t = fisher_diagonal(log_probs, theta, t * ways + labels, fisher)
+    state = record_task(state, t, jax.lax.stop_gradient(fisher_t), theta)
+    return theta, state, theta
+  return update
+
+
+@dataclasses.dataclass(frozen=True)
+class EWC(finetune.Finetune):
+  """Fine-tuning plus EWC's penalty on the earlier tasks' parameters."""
+  name = 'ewc'
+  display_name = 'EWC'
+
+  def update_rule(self, cnn, num_tasks: int, theta):
+    b = self.config.baseline
+    rule = ewc_rule(cnn, self.config.episode.ways, b.inner_steps,
+                          b.inner_learning_rate, b.ewc_lambda, b.ewc_fisher)
+    return rule, init_state(theta, num_tasks)
