@@ -14,13 +14,11 @@ Reliability (docs/reliability.md):
   (runtime/preemption.py) saves a checkpoint of the current step before the process
   exits with status 143.
 * A step whose loss, gradient or generated weights are not finite changes
-  nothing but the step count; `train.on_divergence` decides whether the run
-  then stops or goes on, and with `train.loss_spike_factor` a finite collapse
-  is rolled back (runtime/divergence.py).
-* The config is checked before anything is read or compiled, the workdir
-  before anything is downloaded, and a checkpoint against the config before
-  it is restored; each failure is one of `USER_ERRORS`, whose message names
-  what is wrong and what to do.
+  nothing but the step count; `train.on_divergence` says whether the run stops,
+  and `train.loss_spike_factor` rolls back a finite collapse (runtime/divergence.py).
+* The config is checked before anything is read or compiled, the workdir before
+  any download, a checkpoint against the config before it is restored; each
+  failure is one of `USER_ERRORS`, naming what is wrong and what to do.
 """
 
 import time
@@ -29,6 +27,7 @@ from typing import Any
 from absl import logging
 import flax
 import jax
+from jax import flatten_util
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -72,8 +71,8 @@ def method_optimizer(method: methods.Method) -> optax.GradientTransformation:
   return optim_lib.make_optimizer(method.config.optim, method_schedule(method))
 
 
-def init_state(method: methods.Method, optimizer, key, mesh) -> TrainState:
-  """The initial TrainState, compiled and replicated over `mesh`.
+def make_init(method: methods.Method, optimizer, mesh):
+  """jit(key) -> the initial TrainState, replicated over `mesh`.
 
   Replicated as the train step returns its state: a state of another sharding
   type (say, an eager init's) would compile the step a second time at its
@@ -83,7 +82,7 @@ def init_state(method: methods.Method, optimizer, key, mesh) -> TrainState:
     params = method.init(key)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(params))
-  return jax.jit(init, out_shardings=jax.NamedSharding(mesh, jax.P()))(key)
+  return jax.jit(init, out_shardings=jax.NamedSharding(mesh, jax.P()))
 
 
 def make_train_step(method: methods.Method, optimizer, mesh, variant=(), domain_sizes=(),
@@ -114,8 +113,8 @@ def make_train_step(method: methods.Method, optimizer, mesh, variant=(), domain_
       updates = jax.tree.map(lambda u: u * learning_rate_scale, updates)
       learning_rate = learning_rate * learning_rate_scale
     params = optax.apply_updates(state.params, updates)
-    metrics['grad_norm'] = optax.tree.norm(grads)
-    metrics['update_norm'] = optax.tree.norm(updates)
+    metrics['grad_norm'] = _global_norm(grads)
+    metrics['update_norm'] = _global_norm(updates)
     metrics['learning_rate'] = learning_rate
     watched = [metrics[k] for k in divergence.WATCHED if k in metrics]
     finite = jnp.all(jnp.isfinite(jnp.stack(watched)))
@@ -127,6 +126,12 @@ def make_train_step(method: methods.Method, optimizer, mesh, variant=(), domain_
   # The scale is static: a multiply by a traced 1.0 changes how XLA fuses (and rounds)
   # the update; each new scale (one per rollback) compiles the step once more.
   return jax.jit(train_step, donate_argnums=0, static_argnames='learning_rate_scale')
+
+
+def _global_norm(tree) -> jax.Array:
+  """The L2 norm of all of `tree`'s values as one vector: one reduction, where
+  `optax.tree.norm` has one per leaf, each compiled as a kernel of its own."""
+  return jnp.linalg.norm(flatten_util.ravel_pytree(tree)[0])
 
 
 # ====== Validation during training ====================================================
@@ -233,14 +238,14 @@ def _train(config, workdir, dataset) -> dict[str, float]:
   optimizer = method_optimizer(method)
   mesh = devices.data_mesh(method.batch_size)
   init_key, train_key, eval_key = jax.random.split(jax.random.key(config.seed), 3)
-  init = lambda key: init_state(method, optimizer, key, mesh)
+  init = make_init(method, optimizer, mesh)  # Traced once, for its shapes and to run.
 
   manager = checkpoints.manager(workdir, config, remove_partial=True)
   log = None
   try:
     latest = manager.latest_step()
     if latest is not None:  # Before any download or compilation.
-      checkpoints.check_fits(manager, latest, jax.eval_shape(init, init_key), config)
+      checkpoints.check_fits(manager, latest, init.eval_shape(init_key), config)
     if dataset is None:
       dataset = datasets.load_dataset(config)
     methods.check_training_episodes(method, dataset)

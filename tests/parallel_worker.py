@@ -25,7 +25,7 @@ def one_step(config, devices, images):
   replicated = jax.NamedSharding(mesh, jax.P())
   method = methods.build(config)
   optimizer = optim.make_optimizer(config.optim)
-  state = train.init_state(method, optimizer, jax.random.key(0), mesh)
+  state = train.make_init(method, optimizer, mesh)(jax.random.key(0))
   step = train.make_train_step(method, optimizer, mesh)
   images = jax.device_put(images, replicated)
   hlo = step.lower(state, images, jax.random.key(7)).compile().as_text()

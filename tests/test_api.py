@@ -35,8 +35,8 @@ def workdir(tmp_path_factory):
   """A workdir with training's config.json and a checkpoint of step 3."""
   config = tiny_config()
   optimizer = optim.make_optimizer(config.optim)
-  state = train.init_state(methods.build(config), optimizer, jax.random.key(0),
-                           devices.data_mesh())
+  state = train.make_init(methods.build(config), optimizer,
+                          devices.data_mesh())(jax.random.key(0))
   state = state.replace(step=jnp.asarray(3, jnp.int32))
   path = str(tmp_path_factory.mktemp('api_workdir'))
   manager = checkpoints.manager(path, config)

@@ -47,7 +47,7 @@ def train_and_evaluate(config, images, steps=3):
   method = methods.build(config)
   optimizer = optim.make_optimizer(config.optim)
   mesh = devices.data_mesh()
-  state = train.init_state(method, optimizer, jax.random.key(0), mesh)
+  state = train.make_init(method, optimizer, mesh)(jax.random.key(0))
   step = train.make_train_step(method, optimizer, mesh)
   for i in range(steps):
     state, metrics = step(state, images, jax.random.key(i))

@@ -40,8 +40,8 @@ def trained(tmp_path_factory):
   """
   config = tiny_config()
   optimizer = optim.make_optimizer(config.optim)
-  state = train.init_state(methods.build(config), optimizer, jax.random.key(0),
-                           devices.data_mesh())
+  state = train.make_init(methods.build(config), optimizer,
+                          devices.data_mesh())(jax.random.key(0))
   state = state.replace(step=jnp.asarray(3, jnp.int32))
   workdir = str(tmp_path_factory.mktemp('trained'))
   save_checkpoint(workdir, config, state)
@@ -220,8 +220,8 @@ from conftest import tiny_config
 from test_evaluate import save_checkpoint
 config = tiny_config()
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
-state = train.init_state(methods.build(config), optim.make_optimizer(config.optim),
-                         jax.random.key(1), mesh)
+state = train.make_init(methods.build(config), optim.make_optimizer(config.optim),
+                        mesh)(jax.random.key(1))
 save_checkpoint(sys.argv[1], config, state)
 np.savez(sys.argv[2], *jax.tree.leaves(jax.device_get(state.params)))
 print(len(jax.tree.leaves(state.params)[0].sharding.device_set))

@@ -424,9 +424,8 @@ def test_full_disk_during_save_keeps_the_earlier_checkpoints(tmp_path, prepared_
 def test_checkpoint_of_another_config_is_refused_before_any_work(tmp_path):
   workdir = str(tmp_path / 'work')
   saved = tiny_config()
-  state = jax.eval_shape(lambda: train.init_state(
-      methods.build(saved), optim.make_optimizer(saved.optim), jax.random.key(0),
-      devices.data_mesh()))
+  state = train.make_init(methods.build(saved), optim.make_optimizer(saved.optim),
+                         devices.data_mesh()).eval_shape(jax.random.key(0))
   state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), state)
   manager = checkpoints.manager(workdir, saved)
   manager.save(2, args=ocp.args.StandardSave(state))

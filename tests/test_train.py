@@ -19,7 +19,7 @@ from conftest import class_images, make_episode, tiny_config
 def make_state(config, key=0):
   method = methods.build(config)
   optimizer = optim.make_optimizer(config.optim)
-  state = train.init_state(method, optimizer, jax.random.key(key), devices.data_mesh())
+  state = train.make_init(method, optimizer, devices.data_mesh())(jax.random.key(key))
   return method, optimizer, state
 
 

@@ -146,7 +146,7 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   method = methods.build(config)
   optimizer = optim.make_optimizer(config.optim)
   mesh = devices.data_mesh(batch_size)
-  state = train.init_state(method, optimizer, jax.random.key(0), mesh)
+  state = train.make_init(method, optimizer, mesh)(jax.random.key(0))
   step = train.make_train_step(method, optimizer, mesh)
   key = jax.random.key(1)
 

@@ -120,7 +120,7 @@ def bench_step(config, num_steps: int) -> dict:
   }
   sharding = jax.NamedSharding(mesh, jax.P('data'))
   batch = jax.device_put(batch, sharding)
-  state = train.init_state(method, optimizer, jax.random.key(0), mesh)
+  state = train.make_init(method, optimizer, mesh)(jax.random.key(0))
   start = time.perf_counter()
   step = train.make_train_step(method, optimizer, mesh, host=True).lower(
       state, batch, jax.random.key(1)).compile()
