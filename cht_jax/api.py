@@ -1,8 +1,7 @@
 """Generate and update a CNN from your own few examples with a trained CHT.
 
-No training: the HyperTransformer of a checkpoint writes the CNN's weights
-from a labelled support set, and rewrites them for each new task from the
-new support set and the weights it wrote before (paper, eq. 1; prototypes: eq. 4).
+No training: a checkpoint's HyperTransformer writes the CNN's weights from a labelled support
+set, then rewrites them for each new task (paper, eq. 1; prototypes: eq. 4).
 
   from cht_jax import api
   model = api.load_model('workdirs/omniglot_t5')   # the training workdir
@@ -11,19 +10,9 @@ new support set and the weights it wrote before (paper, eq. 1; prototypes: eq. 4
   labels = api.classify(model, theta, prototypes, query_images, task=0)  # task-incremental
   tasks, labels = api.classify(model, theta, prototypes, query_images)   # class-incremental
 
-Images are [N, H, W, C] (or [N, H, W] for one channel) of the model's size
-(Omniglot configs: 28 x 28 x 1): uint8 0..255 (normalised here as in
-training, x / 128 - 1) or floats already normalised (about -1..1; floats
-beyond +-1.5 are refused as not normalised). Labels are integers 0..K-1, K
-the model's `episode.ways`, each class at least once; any number of shots
-per class. A support set may also hold images without labels
-(`learn_task(..., unlabeled_images=...)`, HT's semi-supervised setting): the
-HyperTransformer reads them, the prototypes do not.
-
-The CNN normalises each batch with that batch's own statistics (BatchNorm
-without running averages, as in the paper): classify batches that look like
-the query sets of training (e.g. a few images of each of several classes),
-not single images.
+Images are [N, H, W, C] (or [N, H, W]): uint8 0..255 or floats normalised as x / 128 - 1.
+Labels are 0..K-1, every class at least once. The CNN's BatchNorm uses each batch's statistics
+(as in the paper): classify batches like training's query sets, not single images.
 """
 
 import functools
@@ -49,15 +38,8 @@ from cht_jax.runtime import checkpoints
 
 
 class Model(NamedTuple):
-  """A trained HyperTransformer (build it with `model_from_params` or `load_model`).
-
-  Attributes:
-    ht: the weight generator (`ht.cnn` is the generated CNN).
-    params: its parameters.
-    image_shape: (H, W, C) of the images it takes.
-    step: the training step of the checkpoint (None if not from one).
-    generate: `compile_generator(ht, params)`, what `learn_task` runs.
-  """
+  """A trained HyperTransformer `ht` (`ht.cnn`: the generated CNN), its `params` and
+  `compile_generator(ht, params)`; from `model_from_params` or `load_model`."""
   ht: ht_lib.HyperTransformer
   params: Any
   image_shape: tuple[int, int, int]
@@ -70,26 +52,15 @@ class Model(NamedTuple):
 
 
 class Memory(NamedTuple):
-  """What the model keeps after learning tasks 0..t.
-
-  Attributes:
-    theta: theta_t, the CNN's parameters (a pytree of `ht.cnn`).
-    prototypes: [t+1, K, D]; row tau computed with theta_tau, then frozen.
-  """
+  """After tasks 0..t: theta_t and prototypes [t+1, K, D] (row tau from theta_tau, frozen)."""
   theta: Any
   prototypes: jax.Array
 
 
 def compile_generator(ht: ht_lib.HyperTransformer, params: Any):
   """`generate(support_images, support_labels, theta_prev, unlabeled_images=None)
-  -> (theta_t, prototypes [K, D])`.
-
-  One task's `continual.generate_task`, jitted with the parameters as
-  constants of the compiled program rather than arguments: a call then skips
-  the handling of ~280 parameter buffers, and XLA folds what depends on the
-  parameters alone: faster per task (docs/performance.md); the numbers are equal
-  up to float rounding.
-  """
+  -> (theta_t, prototypes [K, D])`: `continual.generate_task` jitted with the parameters as
+  constants, which XLA folds (faster per task, docs/performance.md; equal up to rounding)."""
   return jax.jit(lambda images, labels, theta_prev, unlabeled=None: continual.generate_task(
       ht, params, images, labels, theta_prev, unlabeled))
 
@@ -114,21 +85,8 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
 
 def load_model(workdir: str, config: ml_collections.ConfigDict | None = None,
                step: int | None = None) -> Model:
-  """Loads the HyperTransformer of a training workdir's checkpoint.
-
-  Args:
-    workdir: the `--workdir` of training.
-    config: the config it was trained with (e.g. `configs/omniglot_t5.py`'s
-      `get_config()`, with the same overrides); None for the copy training
-      saved in `<workdir>/config.json`.
-    step: the checkpoint step; None for the latest.
-
-  Raises:
-    FileNotFoundError: `workdir` does not exist, or holds no config.json and
-      `config` is None.
-    checkpoints.CheckpointError (cht_jax/runtime/checkpoints.py): no checkpoint (of
-      `step`), or one of another config.
-  """
+  """Loads the HyperTransformer of a training workdir's checkpoint (`step`; None: latest) and
+  `config` (None: `<workdir>/config.json`). Raises FileNotFoundError or CheckpointError."""
   if not os.path.isdir(workdir):
     raise FileNotFoundError(
         f'load_model: the workdir {os.path.abspath(workdir)} does not exist. Pass the '
@@ -146,8 +104,7 @@ def load_model(workdir: str, config: ml_collections.ConfigDict | None = None,
   return model_from_params(config, params, step)
 
 
-# What the checkpoint errors, written for the command line, say in flags, and
-# what a caller of `load_model` passes instead.
+# The command-line words of checkpoint errors, and what a caller of `load_model` passes instead.
 _PYTHON_WORDS = (
     (r'Evaluate with the config \(and --config\.\* overrides\) the model was trained with; '
      r'training saved it as (\S+)\.(?=\s|$)',
@@ -166,17 +123,12 @@ def _python_words(message: str) -> str:
   return message
 
 
-# Normalised images (x / 128 - 1) lie in [-1, 0.9921875]; beyond this bound,
-# floats are taken for unnormalised pixels (e.g. 0..255) rather than mistakes
-# of rounding or augmentation.
+# Normalised images lie in [-1, 1); floats beyond this are taken for unnormalised pixels.
 NORMALISED_BOUND = 1.5
 
 
 def preprocess(model: Model, images, name: str = 'images') -> jax.Array:
-  """[N, H, W, C] (or [N, H, W]) uint8 or normalised float -> float32 [N, H, W, C].
-
-  `name` is the argument the messages of a ValueError name.
-  """
+  """[N, H, W, C] (or [N, H, W]) uint8 or normalised float -> float32 [N, H, W, C]."""
   images = jnp.asarray(images)
   if images.ndim == 3:
     images = images[..., None]
@@ -228,38 +180,26 @@ def learn_task(model: Model, support_images, support_labels, theta: Any = None,
                prototypes: jax.Array | None = None, unlabeled_images=None) -> Memory:
   """theta_t and the prototypes of tasks 0..t from the support set of task t.
 
-  Args:
-    model: from `load_model`.
-    support_images: [S, H, W, C] (see the module docstring).
-    support_labels: int [S] in 0..K-1, every class at least once.
-    theta, prototypes: what `learn_task` returned for the previous task;
-      None for the first task.
-    unlabeled_images: [U, H, W, C] more images of the task's classes without
-      labels, or None: the HyperTransformer reads them (the "unlabeled" label
-      embedding), the prototypes are those of the labelled images. A model
-      meta-trained with them (episode.unlabeled_per_class) is the one that
-      has learnt to use them.
-
-  Returns:
-    Memory(theta_t, prototypes [t+1, K, D]), which unpacks as a pair.
+  `support_images` [S, H, W, C], `support_labels` int [S] in 0..K-1; `theta`, `prototypes`: what
+  `learn_task` returned for the previous task (None for the first); `unlabeled_images`
+  [U, H, W, C] or None, read by the HyperTransformer (of use to a model meta-trained with
+  episode.unlabeled_per_class), not by the prototypes. Returns Memory(theta_t, prototypes
+  [t+1, K, D]), which unpacks as a pair.
   """
   if (theta is None) != (prototypes is None):
     raise ValueError('Pass both theta and prototypes of the earlier tasks, or neither.')
   images = preprocess(model, support_images, 'support_images')
   labels = check_labels(model, support_labels, images.shape[0])
-  unlabeled = None
-  if unlabeled_images is not None:
-    unlabeled = preprocess(model, unlabeled_images, 'unlabeled_images')
+  unlabeled = (None if unlabeled_images is None
+               else preprocess(model, unlabeled_images, 'unlabeled_images'))
   if theta is None:
     theta = ht_lib.zeros_theta(model.ht.cnn, model.image_shape)
-  # Placed like the parameters, so that theta_{-1} and a generated theta (an
-  # output, placed) hit the same compiled function.
+  # Placed like the parameters, so that theta_{-1} and a generated theta hit one compilation.
   theta = jax.device_put(theta, jax.tree.leaves(model.params)[0].sharding)
   new_theta, new_prototypes = model.generate(images, labels, theta, unlabeled)
+  new_prototypes = new_prototypes[None]
   if prototypes is not None:
-    new_prototypes = jnp.concatenate([prototypes, new_prototypes[None]], axis=0)
-  else:
-    new_prototypes = new_prototypes[None]
+    new_prototypes = jnp.concatenate([prototypes, new_prototypes], axis=0)
   return Memory(new_theta, new_prototypes)
 
 
@@ -270,19 +210,8 @@ def embed(model: Model, theta: Any, images) -> jax.Array:
 
 def classify(model: Model, theta: Any, prototypes: jax.Array, images,
              task: int | None = None):
-  """Predicts labels with the nearest prototype (eq. 5 and 6).
-
-  Args:
-    model: from `load_model`.
-    theta, prototypes: from `learn_task` (after tasks 0..t).
-    images: [N, H, W, C], classified as one batch.
-    task: a task id tau <= t for task-incremental prediction (the K classes
-      of task tau); None for class-incremental (all classes of tasks 0..t).
-
-  Returns:
-    task given: int32 [N] labels in 0..K-1.
-    task None: (tasks int32 [N], labels int32 [N]).
-  """
+  """Labels of `images` [N, H, W, C] (one batch) by nearest prototype: int32 [N] of `task` (eq. 5),
+  or with task None, (tasks, labels) int32 [N] over all classes of tasks 0..t (eq. 6)."""
   embeddings = embed(model, theta, images)
   num_tasks, num_ways = prototypes.shape[:2]
   if task is not None:

@@ -1,20 +1,10 @@
 """Start-up checks of a config: every mistake named before anything is compiled or downloaded.
 
-`validate(config)` checks each field against `SCHEMA` (type and range), rejects
-fields the schema does not know (typos), then the relations between fields:
-the classes an episode needs against the classes of the split (known from the
-split scheme alone, no data is read; the rules are `episodes.spec_problems`,
-which the samplers apply to the data again), the image size against the CNN depth,
-the loss against the CNN head, the batch against the devices. All problems are
-reported at once in one `ConfigError`, each naming the field, its value and
-what would be valid.
-
-`flags_parser` replaces absl's flag parser in `main` so that a mistyped
-`--config.x.y=...` override or a config file that fails to load ends in the
-same kind of one-paragraph message instead of a traceback.
-
-A new config field must be added to `SCHEMA`, or every config that has it is
-rejected as having an unknown field.
+`validate(config)` checks each field against `SCHEMA` (add new fields there; unknown ones are
+typos), then relations between fields (an episode's classes against the split's, by
+`episodes.spec_problems`; image size against CNN depth; ...), and raises one `ConfigError`
+naming every problem. `flags_parser` reports bad `--config.*` overrides and config files the
+same way.
 """
 
 from __future__ import annotations
@@ -39,10 +29,7 @@ from cht_jax.models import cnn
 from cht_jax.models import ops
 from cht_jax.models import transformer
 
-# `config.method`, what makes the CNN's weights: CHT, its baselines and the
-# Table 1 baselines trained by gradient descent. Defined here, below the
-# methods (cht_jax/methods/), whose registry has one class per name.
-# The first three train on an episode loss; the others by gradient steps on each task.
+# `config.method`: the first three train on an episode loss, the others by gradient steps.
 EPISODE_LOSS_METHODS = ('cht', 'constpn', 'merged_ht')
 METHODS = EPISODE_LOSS_METHODS + ('finetune', 'ewc', 'maml')
 ON_DIVERGENCE = ('stop', 'skip')
@@ -268,12 +255,10 @@ def _split_problems(c: ml_collections.ConfigDict) -> list[str]:
     split_spec = spec._replace(domain_sizes=domain_sizes)
     remedy = _remedy(spec.task_classes, split)
     if split == 'validation' and spec.task_classes == 'disjoint':
-      # Validation runs as many of the T tasks as its classes allow
-      # (train.validation_tasks), so it needs one task's classes.
+      # Validation runs as many tasks as its classes allow (train.validation_tasks).
       split_spec = split_spec._replace(num_tasks=1)
     if split == 'train' and c.method == 'constpn':
-      # ConstPN trains on single tasks of constpn_ways_multiplier * K ways
-      # (methods/constpn.py: training_spec).
+      # ConstPN trains on single tasks of multiplier * K ways (methods/constpn.py).
       split_spec = split_spec._replace(num_tasks=1,
                                        ways=c.episode.ways * c.constpn_ways_multiplier)
       remedy = 'lower constpn_ways_multiplier'
@@ -296,16 +281,8 @@ def _remedy(task_classes: str, split: str) -> str:
 
 
 def nominal_split_classes(c: ml_collections.ConfigDict) -> dict[str, tuple[int, tuple[int, ...]]]:
-  """(classes, domain sizes) of the 'train', 'validation' and 'test' splits of
-  `data.dataset`, known from the config alone (no data is read).
-
-  Omniglot's split scheme, tieredImageNet's 351/97/160 (its standard split;
-  with data.check_class_counts=False the files may hold others), the nominal
-  class counts of the multi-domain datasets (classes with fewer than
-  data.images_per_class images are dropped when loading, so the real counts
-  may be lower; a domain without classes in a split is left out of it, as
-  multidomain.load_multidomain does).
-  """
+  """(classes, domain sizes) of the 'train', 'validation' and 'test' splits from the config
+  alone: nominal counts (loading may drop classes with too few images); no empty domains."""
   data = c.data
   if data.dataset == 'omniglot':
     ids = omniglot.class_split(data.split_scheme, data.split_seed)
@@ -320,12 +297,7 @@ def nominal_split_classes(c: ml_collections.ConfigDict) -> dict[str, tuple[int, 
 
 
 def _split_classes(c: ml_collections.ConfigDict) -> dict[str, tuple[int, tuple[int, ...]]]:
-  """(classes, domain sizes) of the splits sampled in training; {} if unknown.
-
-  The training split, and the validation split unless train.eval_every_steps
-  is 0, as `nominal_split_classes` has them; tieredImageNet's are unknown with
-  data.check_class_counts=False.
-  """
+  """(classes, domain sizes) of the splits training samples; {} if unknown."""
   if c.data.dataset == 'tiered_imagenet' and not c.data.check_class_counts:
     return {}
   splits = ('train', 'validation') if c.train.eval_every_steps else ('train',)
@@ -432,17 +404,8 @@ def _method_problems(c: ml_collections.ConfigDict) -> list[str]:
 
 
 def validate(config: Any, num_devices: int | None = None) -> ml_collections.ConfigDict:
-  """Checks every field of a training config; returns it unchanged.
-
-  Args:
-    config: the config (`configs/omniglot_*.py`), or what `config_flags` left
-      when the config file failed to load.
-    num_devices: devices the episode batch is sharded over (default:
-      `devices.num_data_devices`).
-
-  Raises:
-    ConfigError: naming every wrong field, its value and what would be valid.
-  """
+  """Checks every field of a training config (or what `config_flags` left of one that failed
+  to load); returns it unchanged, or raises ConfigError."""
   if not isinstance(config, ml_collections.ConfigDict):
     raise ConfigError(f'The config could not be loaded: {_load_failure(config)}')
   problems = _field_problems(_leaves(config))

@@ -1,17 +1,11 @@
 """The continual step: theta_t = HT(S(t), theta_{t-1}), prototypes, and the loss of Algorithm 1.
 
-One `jax.lax.scan` over the T tasks threads theta_t through the
-HyperTransformer and returns every theta_t together with the prototypes of its
-task, computed once with theta_t and frozen (eq. 4). The loss then needs the
-queries of every task tau <= t embedded with theta_t: T(T+1)/2 query passes,
-run as one vmapped pass over the (t, tau) pairs rather than inside the scan
-(where fixed shapes would force T^2 passes, half of them masked away).
-
-Semi-supervised episodes carry unlabeled support images (`unlabeled_images`
-[T, U, H, W, C], absent when there are none): they reach the HyperTransformer
-of their task, never the prototypes or the loss.
-
-Everything here is for one episode; vmap over a batch of episodes.
+One `jax.lax.scan` over the T tasks threads theta_t through the HyperTransformer and returns
+every theta_t with its task's prototypes, computed once with theta_t and frozen (eq. 4). The loss
+embeds the queries of every task tau <= t with theta_t: T(T+1)/2 passes, one vmapped pass over
+the (t, tau) pairs rather than inside the scan (where fixed shapes would force T^2).
+Unlabeled support images (`unlabeled_images` [T, U, H, W, C], optional) reach the
+HyperTransformer of their task, never the prototypes or the loss. All for one episode.
 """
 
 from typing import Any, NamedTuple
@@ -25,6 +19,10 @@ from cht_jax import losses
 from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import hypertransformer as ht_lib
 
+VECTORIZE_OPTIONS = ('auto', 'vmap', 'loop')
+REMAT_OPTIONS = ('auto', True, False)
+# Up to this many tasks, 'auto' does not rematerialise looped episodes (CPU).
+REMAT_AUTO_MAX_TASKS_WITHOUT = 2
 Episode = dict[str, jax.Array]  # support_images [T, S, H, W, C], support_labels [T, S],
                                 # query_images [T, Q, H, W, C], query_labels [T, Q],
                                 # optional unlabeled_images [T, U, H, W, C]
@@ -44,17 +42,8 @@ class TaskPairs(NamedTuple):
 def generate_task(ht: ht_lib.HyperTransformer, ht_params: Any, support_images: jax.Array,
                   support_labels: jax.Array, theta_prev: Any,
                   unlabeled_images: jax.Array | None = None):
-  """theta_t = HT(S(t), theta_{t-1}) and the prototypes of task t.
-
-  Args:
-    support_images: [S, H, W, C]; support_labels: [S] in 0..K-1.
-    theta_prev: theta_{t-1}.
-    unlabeled_images: [U, H, W, C] unlabeled support images, or None.
-
-  Returns:
-    theta_t, and prototypes [K, D] computed with theta_t from the labelled
-    images alone (eq. 4).
-  """
+  """theta_t = HT(S(t), theta_{t-1}) and task t's prototypes [K, D] (eq. 4), from support
+  images [S, H, W, C], labels [S] and optional unlabeled images [U, H, W, C]."""
   theta, embeddings = ht.apply({'params': ht_params}, support_images, support_labels,
                                theta_prev, with_support_embeddings=True,
                                unlabeled_images=unlabeled_images)
@@ -65,22 +54,13 @@ def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
                     support_images: jax.Array, support_labels: jax.Array,
                     theta_init: Any = None, remat: bool = True, unroll: bool = False,
                     unlabeled_images: jax.Array | None = None):
-  """Runs the HyperTransformer over the tasks of one episode.
+  """Runs the HyperTransformer over the tasks of one episode: support_images [T, S, H, W, C],
+  support_labels [T, S], unlabeled_images [T, U, H, W, C] or None.
 
-  Args:
-    ht, ht_params: the weight generator and its parameters.
-    support_images: [T, S, H, W, C]; support_labels: [T, S] in 0..K-1.
-    theta_init: theta_{-1}; None for zeros (the first task is plain HT).
-    remat: rematerialise each task's generation in the backward pass, so
-      memory does not grow with every intermediate of every task.
-    unroll: unroll the scan over tasks (the benchmark counts FLOPs this way:
-      XLA's cost analysis counts a loop's body once).
-    unlabeled_images: [T, U, H, W, C], each task's unlabeled support images;
-      None for none.
-
-  Returns:
-    thetas: theta_0..theta_{T-1}, each leaf stacked on a leading T axis.
-    prototypes: [T, K, D]; row t is computed with theta_t from S(t).
+  `theta_init` is theta_{-1} (None: zeros, the first task is plain HT); `remat` recomputes each
+  task's generation in the backward pass (memory); `unroll` unrolls the scan (XLA's cost
+  analysis counts a loop's body once). Returns the thetas, each leaf stacked on a leading T
+  axis, and prototypes [T, K, D], row t from theta_t.
   """
   if theta_init is None:
     theta_init = ht_lib.zeros_theta(ht.cnn, support_images.shape[2:])
@@ -99,13 +79,8 @@ def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
   return thetas, prototypes
 
 
-VECTORIZE_OPTIONS = ('auto', 'vmap', 'loop')
-
-
 def default_vectorize() -> bool:
-  """Whether to vmap the per-pair query passes and the episodes of a batch: on
-  accelerators yes; on CPU a loop (one 60-image batch at a time stays in cache)
-  is faster for training and evaluation (docs/performance.md, docs/evaluation.md)."""
+  """Whether to vmap pairs and episodes: not on CPU, where loops win (docs/performance.md)."""
   return jax.default_backend() != 'cpu'
 
 
@@ -116,24 +91,9 @@ def vectorize_option(option: str) -> bool:
   return default_vectorize() if option == 'auto' else option == 'vmap'
 
 
-REMAT_OPTIONS = ('auto', True, False)
-
-
-# Up to this many tasks, 'auto' does not rematerialise looped episodes (CPU).
-REMAT_AUTO_MAX_TASKS_WITHOUT = 2
-
-
 def remat_option(option: str | bool, vectorize: bool, num_tasks: int) -> bool:
-  """`model.remat` ('auto' | True | False) -> whether to rematerialise.
-
-  'auto' rematerialises where the episodes of a batch are vmapped
-  (accelerators), for memory: the activations of the whole batch would be held
-  for the backward pass. Where they are looped (CPU), only one episode's are,
-  and speed decides (docs/performance.md): at T <= 2 recomputing them costs
-  time; from T = 3 on, the scan over tasks storing every task's residuals costs
-  more than recomputing them, so it remats. The strings 'True' and 'False'
-  count as the booleans.
-  """
+  """`model.remat` ('auto' | True | False, or 'True'/'False') -> whether to rematerialise:
+  'auto' where episodes are vmapped (memory), or looped for enough tasks (docs/performance.md)."""
   option = {'true': True, 'false': False}.get(str(option).lower(), option)
   if option not in REMAT_OPTIONS or (option != 'auto' and not isinstance(option, bool)):
     raise ValueError(f'model.remat = {option!r}; expected one of {REMAT_OPTIONS}.')
@@ -145,12 +105,8 @@ def remat_option(option: str | bool, vectorize: bool, num_tasks: int) -> bool:
 def embed_queries(cnn: cnn_lib.CNN, thetas: Any, query_images: jax.Array,
                   pairs: TaskPairs, remat: bool = True,
                   vectorize: bool | None = None) -> jax.Array:
-  """Embeds Q(tau) with theta_t for every pair: [T, Q, H, W, C] -> [P, Q, D].
-
-  Each query set is a batch of its own, so BatchNorm sees the statistics of
-  Q(tau) alone, as in a plain loop over the pairs. `vectorize` (None: by
-  backend, see `default_vectorize`) vmaps the pairs instead of looping.
-  """
+  """Embeds Q(tau) with theta_t for every pair, [T, Q, H, W, C] -> [P, Q, D], each query set
+  its own BatchNorm batch. `vectorize` (None: `default_vectorize`) vmaps the pairs."""
   apply = lambda theta, images: cnn.apply({'params': theta}, images)
   if remat:
     apply = jax.checkpoint(apply)
@@ -163,17 +119,8 @@ def embed_queries(cnn: cnn_lib.CNN, thetas: Any, query_images: jax.Array,
 
 def pair_losses(loss: str, query_embeddings: jax.Array, query_labels: jax.Array,
                 prototypes: jax.Array, pairs: TaskPairs):
-  """Cross-entropy and accuracy of every (t, tau) pair.
-
-  Args:
-    loss: one of `losses.LOSSES`.
-    query_embeddings: [P, Q, D] from `embed_queries`.
-    query_labels: [T, Q].
-    prototypes: [T, K, D].
-
-  Returns:
-    (cross_entropy [P], accuracy [P]), each the mean over the Q queries.
-  """
+  """(cross_entropy [P], accuracy [P]) of every (t, tau) pair, means over the Q queries, from
+  query_embeddings [P, Q, D], query_labels [T, Q] and prototypes [T, K, D]."""
   def one_pair(embeddings, t, tau):
     logits, offset = losses.pair_logits(loss, embeddings, prototypes, t, tau)
     return losses.cross_entropy_and_accuracy(logits, query_labels[tau] + offset)
@@ -186,13 +133,9 @@ def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
                  vectorize: bool | None = None, unroll: bool = False):
   """Algorithm 1 for one episode: sum over t of sum over tau <= t of L(Q(tau); theta_t).
 
-  Each term is the mean over the queries of Q(tau) (as the original HT's
-  cross-entropy); the sum over (t, tau) is as in eq. 2-3.
-
-  Returns:
-    (loss, metrics) with metrics 'accuracy' (mean over all pairs),
-    'final_accuracy' (theta_{T-1} on the queries of all T tasks) and
-    'theta_norm' (global norm of theta_0..theta_{T-1}, watched for divergence).
+  Each term is the mean over Q(tau) (as the original HT's cross-entropy); the sum as in eq. 2-3.
+  Returns (loss, metrics): 'accuracy' (mean over pairs), 'final_accuracy' (theta_{T-1} on all
+  tasks), 'theta_norm' (global norm of the thetas, watched for divergence).
   """
   thetas, prototypes = generate_thetas(
       ht, ht_params, episode['support_images'], episode['support_labels'], remat=remat,
@@ -204,8 +147,7 @@ def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
 def pairs_loss(cnn: cnn_lib.CNN, thetas: Any, prototypes: jax.Array, episode: Episode,
                loss: str, pairs: TaskPairs, remat: bool = True,
                vectorize: bool | None = None):
-  """The sum over `pairs` of L(Q(tau); theta_t) given theta_0..theta_{T-1} (of the
-  network `cnn`) and prototypes. Returns (loss, metrics) as `episode_loss`."""
+  """`episode_loss` over `pairs`, given the thetas (of `cnn`) and prototypes."""
   embeddings = embed_queries(cnn, thetas, episode['query_images'], pairs, remat=remat,
                              vectorize=vectorize)
   cross_entropy, accuracy = pair_losses(

@@ -1,7 +1,6 @@
 """Prototypical (class- and task-incremental) and cross-entropy losses (paper, eqs. 4-6).
 
-All functions work on one query set Q(tau) embedded with one theta_t; the
-continual step vmaps them over the (t, tau) pairs with tau <= t.
+All work on one query set Q(tau) embedded with one theta_t (vmapped over the pairs).
 """
 
 import jax
@@ -14,14 +13,7 @@ MASKED_LOGIT = -1e30
 
 
 def class_prototypes(embeddings: jax.Array, labels: jax.Array, num_ways: int) -> jax.Array:
-  """Eq. 4: per-class means of the support embeddings.
-
-  Args:
-    embeddings: [S, D]; labels: [S] in 0..num_ways-1.
-
-  Returns:
-    [num_ways, D].
-  """
+  """Eq. 4: per-class means of the support embeddings, [S, D] -> [num_ways, D]."""
   one_hot = jax.nn.one_hot(labels, num_ways, dtype=embeddings.dtype)
   counts = one_hot.sum(axis=0)
   return (one_hot.T @ embeddings) / jnp.maximum(counts, 1.0)[:, None]
@@ -33,17 +25,8 @@ def negative_squared_distances(embeddings: jax.Array, prototypes: jax.Array) -> 
 
 
 def class_incremental_logits(embeddings, prototypes, t) -> jax.Array:
-  """Eq. 6 logits over the classes of tasks 0..t.
-
-  Args:
-    embeddings: [Q, D] queries embedded with theta_t.
-    prototypes: [T, K, D], row tau computed with theta_tau.
-    t: index of the current task (traced or static).
-
-  Returns:
-    [Q, T*K]; classes of tasks after t are masked out. Class (tau, k) is
-    column tau*K + k.
-  """
+  """Eq. 6 logits over the classes of tasks 0..t: [Q, D] queries embedded with theta_t,
+  prototypes [T, K, D] -> [Q, T*K] (class (tau, k) in column tau*K + k; later tasks masked)."""
   num_tasks, num_ways, dim = prototypes.shape
   logits = negative_squared_distances(embeddings, prototypes.reshape(-1, dim))
   seen = jnp.repeat(jnp.arange(num_tasks) <= t, num_ways)
@@ -56,11 +39,7 @@ def task_incremental_logits(embeddings, prototypes, tau) -> jax.Array:
 
 
 def pair_logits(loss: str, embeddings, prototypes, t, tau):
-  """Logits and their target offset for queries of task tau under theta_t.
-
-  Returns:
-    (logits [Q, M], offset): the target of a query with label y is y + offset.
-  """
+  """(logits [Q, M], offset) of task tau's queries under theta_t: label y's target is y + offset."""
   if loss == 'class_incremental':
     return class_incremental_logits(embeddings, prototypes, t), tau * prototypes.shape[1]
   if loss == 'task_incremental':

@@ -1,24 +1,15 @@
-r"""Entry point: meta-train a Continual HyperTransformer.
+r"""Entry point: meta-train (or evaluate) a Continual HyperTransformer or a baseline.
 
   python -m cht_jax.main --config=configs/omniglot_t5.py --workdir=/tmp/cht_t5
   python -m cht_jax.main --config=configs/omniglot_t5.py:smoke --workdir=/tmp/smoke \
       --config.data.manual_dir=../shared/data/omniglot --config.train.episodes_per_step=8
-
-A workdir that already holds checkpoints is resumed from the latest one; without
---workdir it is workdirs/<config name>[_<config argument>] in the current directory
-(printed at start). One training run per workdir: a second one stops at once.
-Ctrl-C, like SIGTERM, checkpoints the current step and exits (130; a second
-Ctrl-C exits at once).
-
-Evaluation (the paper's protocol on a checkpoint; cht_jax/evaluate.py):
-
-  python -m cht_jax.main --mode=eval --config=configs/omniglot_t5.py --workdir=/tmp/cht_t5 \
-      [--eval_tasks=5] [--checkpoint_step=N] [--eval_split=test]
-
-Every method (config.method: CHT, ConstPN, Merged HT and the Table 1
-baselines) trains and evaluates the same way from its config:
-
   python -m cht_jax.main --config=configs/baselines_table1.py:ewc,5 --workdir=/tmp/ewc_t5
+  python -m cht_jax.main --mode=eval --config=configs/omniglot_t5.py --workdir=/tmp/cht_t5 \
+      [--eval_tasks=5] [--checkpoint_step=N] [--eval_split=test]   # cht_jax/evaluate.py
+
+A workdir (default: workdirs/<config name>[_<config argument>]) with checkpoints is resumed;
+one training run per workdir. Ctrl-C, like SIGTERM, checkpoints the current step and exits
+(130; a second one at once).
 """
 
 import os
@@ -41,6 +32,7 @@ from cht_jax.runtime import devices
 from cht_jax.runtime import preemption
 
 FLAGS = flags.FLAGS
+_STOPPING = threading.Lock()
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and logs go (default: '
                     'workdirs/<config name>[_<config argument>]).')
 flags.DEFINE_enum('mode', 'train', ['train', 'eval'],
@@ -61,8 +53,7 @@ flags.DEFINE_enum('eval_sampler', 'strict', list(evaluate.SAMPLERS), 'Query draw
                   "(never a support image) or the original HT's (docs/evaluation.md).")
 flags.DEFINE_enum('eval_embeddings', None, ['umap', 'pca'], 'Also plot prototypes and '
                   'queries of one episode in 2-D (umap needs umap-learn).')
-# Multi-host: every process runs the same command; jax.distributed finds the
-# others from these flags or from the cluster (SLURM, Open MPI, Cloud TPU).
+# Multi-host: every process runs the same command; jax.distributed finds the others.
 flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() first.')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0 (default: '
                     'from the cluster environment).')
@@ -82,8 +73,7 @@ class ConfigFileError(Exception):
 
 
 def _report_load_failures(load):
-  """Wraps the --config flag's loader: a failure becomes one ConfigFileError, which
-  `_parse_flags` prints in one line (absl would print its traceback)."""
+  """Wraps the --config flag's loader: a failure becomes a one-line ConfigFileError."""
   def load_or_explain(argument: str):
     try:
       return load(argument)
@@ -125,8 +115,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def _verbose(args: list[str]) -> bool:
-  """Whether the flags ask for more than the default logging: --verbosity=N, -v=N,
-  --verbosity N or -v N with N > 0 (absl is not parsed yet when a config fails)."""
+  """Whether --verbosity=N, -v=N, --verbosity N or -v N asks for N > 0 (before absl parses)."""
   for i, arg in enumerate(args):
     flag, equals, value = arg.partition('=')
     if re.fullmatch(r'--?v(erbosity)?', flag):
@@ -145,23 +134,13 @@ def default_workdir(config_flag: str) -> str:
 
 
 def _say(message: str) -> None:
-  """The run's last word, on a line of its own: one write, so that what Orbax's
-  background threads print while they shut down (a failed save's tracebacks)
-  cannot split it."""
+  """The run's last word, in one write that Orbax's shutdown output cannot split."""
   sys.stderr.write(f'\n{message}\n')
   sys.stderr.flush()
 
 
-_STOPPING = threading.Lock()
-
-
 def _stop_job(error: Exception, workdir: str) -> None:
-  """Ends a process of a multi-process job at once, saying why in one line.
-
-  Not a normal exit: JAX's shutdown would wait on the lost process, then abort;
-  and where this process is the one that failed, the others would wait for it
-  in a collective while its shutdown waits for them.
-  """
+  """Ends a process of a multi-process job at once (a normal exit could wait on the others)."""
   _STOPPING.acquire()  # The watch and the main thread may both stop it: one line.
   if isinstance(error, devices.LostProcessError):
     error = devices.LostProcessError(

@@ -1,28 +1,15 @@
 """Continual-learning summaries of an accuracy matrix, and confidence intervals.
 
-An accuracy matrix `A` is [..., T, T] (any leading batch axes): A[t, tau] is the
-accuracy of theta_t (the weights generated after task t) on the queries of task
-tau. Only the lower triangle (tau <= t) is defined; whatever lies above the
-diagonal (NaN in the evaluation's matrices) is ignored. Indices are 0-based:
-theta_0 has seen task 0 only, theta_{T-1} all T tasks.
+An accuracy matrix `A` is [..., T, T]: A[t, tau] is the accuracy of theta_t (generated after
+task t, 0-based) on the queries of task tau. Only tau <= t is defined; entries above the
+diagonal are ignored. Summaries needing T >= 2 are NaN for T = 1.
 
-Definitions (T >= 1; those that need T >= 2 are NaN for T = 1):
-
-  average_accuracy             ACC  = 1/T sum_{tau=0}^{T-1} A[T-1, tau]
-      (the final theta on every task; Lopez-Paz & Ranzato 2017, "GEM").
-  average_incremental_accuracy AIA  = 1/T sum_{t=0}^{T-1} (1/(t+1) sum_{tau<=t} A[t, tau])
-      (the mean, over the T stages, of the accuracy on the tasks seen so far;
-      Rebuffi et al. 2017, "iCaRL").
-  backward_transfer            BWT  = 1/(T-1) sum_{tau=0}^{T-2} (A[T-1, tau] - A[tau, tau])
-      (how much the final theta gained (> 0) or lost (< 0) on a task since
-      the theta generated right after it; GEM).
-  forgetting                   F    = 1/(T-1) sum_{tau=0}^{T-2}
-                                          max_{t=tau..T-2} (A[t, tau] - A[T-1, tau])
-      (the drop from the best accuracy an earlier theta reached on the task
-      to the final one, averaged over all tasks but the last; Chaudhry et al.
-      2018, "RWalk"). Can be negative when the final theta is the best.
-
-The last task enters ACC and AIA but neither BWT nor F.
+  average_accuracy ACC = 1/T sum_{tau=0}^{T-1} A[T-1, tau] (Lopez-Paz & Ranzato 2017, "GEM").
+  average_incremental_accuracy AIA = 1/T sum_{t=0}^{T-1} 1/(t+1) sum_{tau<=t} A[t, tau]
+      (Rebuffi et al. 2017, "iCaRL").
+  backward_transfer BWT = 1/(T-1) sum_{tau=0}^{T-2} (A[T-1, tau] - A[tau, tau]) (GEM).
+  forgetting F = 1/(T-1) sum_{tau=0}^{T-2} max_{t=tau..T-2} (A[t, tau] - A[T-1, tau])
+      (Chaudhry et al. 2018, "RWalk"; negative when the final theta is the best).
 """
 
 import numpy as np
@@ -84,12 +71,8 @@ def forgetting(matrix: np.ndarray) -> np.ndarray:
   return (best - matrix[..., -1, :-1]).mean(axis=-1)
 
 
-SUMMARIES = {
-    'average_accuracy': average_accuracy,
-    'average_incremental_accuracy': average_incremental_accuracy,
-    'backward_transfer': backward_transfer,
-    'forgetting': forgetting,
-}
+SUMMARIES = {fn.__name__: fn for fn in (average_accuracy, average_incremental_accuracy,
+                                         backward_transfer, forgetting)}
 
 
 def summaries(matrix: np.ndarray) -> dict[str, float]:
@@ -98,19 +81,8 @@ def summaries(matrix: np.ndarray) -> dict[str, float]:
 
 
 def cumulative_accuracy(per_task: np.ndarray) -> np.ndarray:
-  """Accuracy of theta_t on the union of the queries of tasks 0..k.
-
-  With the same number of queries in every task (as in every episode here),
-  the accuracy on the union is the mean of the per-task accuracies.
-
-  Args:
-    per_task: [..., T, T], A[t, tau] as above.
-
-  Returns:
-    [..., T, T]: C[t, k] = 1/(k+1) sum_{tau<=k} A[t, tau] for k <= t, NaN
-    above the diagonal. For the class-incremental matrix, C[t, t] is the
-    paper's Table 1 entry "0-t".
-  """
+  """C[t, k] = 1/(k+1) sum_{tau<=k} A[t, tau], theta_t's accuracy on tasks 0..k (as many queries
+  each), NaN above the diagonal; class-incremental C[t, t] is the paper's Table 1 "0-t"."""
   per_task = _check_square(per_task)
   num_tasks = per_task.shape[-1]
   lower = lower_triangle(num_tasks)
@@ -119,13 +91,7 @@ def cumulative_accuracy(per_task: np.ndarray) -> np.ndarray:
 
 
 def mean_and_ci(values: np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
-  """Mean and half-width of its 95% confidence interval along `axis`.
-
-  ci95 = 1.96 * s / sqrt(n), with s the sample standard deviation (ddof=1)
-  of the n values (in the evaluation: per-episode accuracies, each already
-  averaged over its query draws). NaN where n < 2. NaN values (undefined
-  matrix entries) stay NaN.
-  """
+  """Mean and 95% CI half-width along `axis` (1.96 * s / sqrt(n), ddof=1; NaN where n < 2)."""
   values = np.asarray(values, np.float64)
   n = values.shape[axis]
   mean = values.mean(axis=axis)

@@ -1,10 +1,7 @@
 """The optimiser and the learning-rate schedule of `config.optim`.
 
-The paper (Experiments) trains with SGD on an exponentially decaying rate;
-the other optimisers and the warmup-then-cosine schedule are the ':fast'
-recipe's (configs/variants.py). A method may bring a schedule of its own
-(`Method.learning_rate`, e.g. MAML++'s cosine annealing): `train` passes it to
-`make_optimizer`.
+The paper (Experiments) trains with SGD on an exponentially decaying rate; the other optimisers
+and warmup-then-cosine are the ':fast' recipe's (configs/variants.py).
 """
 
 import ml_collections
@@ -17,9 +14,8 @@ SCHEDULES = ('exponential', 'cosine')
 def learning_rate_schedule(optim: ml_collections.ConfigDict) -> optax.Schedule:
   """`optim.schedule` after `optim.warmup_steps` of linear warmup from 0.
 
-  'exponential' (the paper's): lr * decay_rate ** (step / decay_steps), continuous,
-    as `tf.train.exponential_decay` in the original HT (hypertransformer/tf/train.py,
-    `make_optimizer`); the paper (Experiments) does not say staircase.
+  'exponential' (the paper's): lr * decay_rate ** (step / decay_steps), not staircase, as
+    the original HT's `tf.train.exponential_decay` (hypertransformer/tf/train.py).
   'cosine': lr, cosine-annealed to lr * end_fraction over decay_steps steps.
   """
   if optim.schedule == 'exponential':

@@ -3,23 +3,10 @@ r"""Figures of evaluation results, like the paper's Figures 3 and 4.
   python -m cht_jax.plots --results=t2.json,t3.json,t4.json,t5.json --output=fig.png \
       [--baselines=constpn.json,merged_ht.json]
 
-One column per result file (sorted by the T it was trained with), one row per
-setting: task-incremental (Figure 3: accuracy of theta_t on each task tau <= t)
-and class-incremental (Figure 4: accuracy of theta_t on tasks 0..k, k <= t,
-over the classes of tasks 0..t). One curve per theta_t; filled circles for the
-theta_t the model was trained to produce (t < T), open diamonds for the
-extrapolated ones; error bars are the 95% confidence intervals.
-
-Result files are those of `reports.write_results`. A baseline file needs only
-'method' and 'table' ({'task_incremental'|'class_incremental': {'mean': [...]}},
-one value per column "0", "0-1", ...: the mean over tasks 0..k of the
-task-incremental accuracy, and the class-incremental accuracy on tasks 0..k);
-an evaluation result file has them. 'ConstPN' is drawn as a dashed black line,
-'Merged HT' as blue stars, anything else as a dotted grey line.
-
-Validation curves of the launch scripts, for `reports`: `plot_curve`
-(launch/fast_table1.py's curve.png) and `plot_levers` (launch/recipe_levers.sh's
-levers.png).
+A column per result file (sorted by trained T), a row per setting: task-incremental (Figure 3:
+theta_t on each task tau <= t) and class-incremental (Figure 4: on tasks 0..k, k <= t); open
+diamonds mark extrapolated theta_t, error bars 95% CIs. A baseline file needs only 'method' and
+'table' ({setting: {'mean': [...]}}, a value per column "0", "0-1", ...).
 """
 
 import json
@@ -33,7 +20,9 @@ import numpy as np
 
 from cht_jax.runtime import workdir
 
+FLAGS = flags.FLAGS
 SETTINGS = ('task_incremental', 'class_incremental')
+PROJECTORS = ('umap', 'pca')
 _TITLES = {'task_incremental': 'Task-incremental', 'class_incremental': 'Class-incremental'}
 _BASELINE_STYLES = {
     'ConstPN': dict(color='black', linestyle='--', marker=None),
@@ -43,8 +32,7 @@ _OTHER_BASELINE = dict(color='grey', linestyle=':', marker=None)
 
 
 def _save(fig: figure_lib.Figure, output: str, dpi: int) -> str:
-  """Writes `fig` to `output` whole or not at all: a full disk or a kill mid-write
-  leaves the figure before, never a torn one (`workdir.atomic_path`)."""
+  """Writes `fig` to `output` whole or not at all (`workdir.atomic_path`)."""
   with workdir.atomic_path(output) as tmp:
     fig.savefig(tmp, dpi=dpi)
   return output
@@ -67,15 +55,8 @@ def _values(matrix: dict, t: int, count: int):
 
 def plot_panel(ax, result: dict[str, Any], setting: str,
                baselines: Sequence[dict[str, Any]] = ()) -> None:
-  """One panel: the curves of every theta_t of one result, and baselines.
-
-  Args:
-    ax: a Matplotlib Axes.
-    result: an evaluation result (`reports.write_results` JSON).
-    setting: 'task_incremental' (x: task tau) or 'class_incremental' (x:
-      tasks 0..k).
-    baselines: baseline results (see the module docstring).
-  """
+  """One panel on Axes `ax`: the curves of every theta_t of one result, and baselines; x is
+  task tau for 'task_incremental', tasks 0..k for 'class_incremental'."""
   if setting not in SETTINGS:
     raise ValueError(f'setting must be one of {SETTINGS}, got {setting!r}.')
   num_tasks, trained = result['num_tasks'], result['trained_tasks']
@@ -93,8 +74,7 @@ def plot_panel(ax, result: dict[str, Any], setting: str,
     row = baseline['table'].get(setting)
     if row is None:
       continue
-    values = 100 * np.array([np.nan if v is None else v for v in row['mean']], float)
-    values = values[:num_tasks]
+    values = 100 * np.array([np.nan if v is None else v for v in row['mean']], float)[:num_tasks]
     style = _BASELINE_STYLES.get(baseline.get('method'), _OTHER_BASELINE)
     ax.plot(np.arange(len(values)), values, **style)
   cumulative = setting == 'class_incremental'
@@ -111,30 +91,17 @@ def _legend_handles(max_tasks: int, baselines: Sequence[dict[str, Any]]):
       lines_lib.Line2D([], [], color='grey', marker='o', linestyle='-', label='trained (t < T)'),
       lines_lib.Line2D([], [], color='grey', marker='D', markerfacecolor='white',
                        linestyle='--', label='extrapolated (t ≥ T)')]
-  seen = set()
-  for baseline in baselines:
-    method = baseline.get('method', 'baseline')
-    if method not in seen:
-      seen.add(method)
-      handles.append(lines_lib.Line2D(
-          [], [], label=method, **_BASELINE_STYLES.get(method, _OTHER_BASELINE)))
+  for method in dict.fromkeys(baseline.get('method', 'baseline') for baseline in baselines):
+    handles.append(lines_lib.Line2D(
+        [], [], label=method, **_BASELINE_STYLES.get(method, _OTHER_BASELINE)))
   return handles
 
 
 def plot_results(results: Sequence[dict[str, Any]], output: str,
                  baselines: Sequence[dict[str, Any]] = (),
                  settings: Sequence[str] = SETTINGS) -> str:
-  """Writes the multi-panel figure of `results` to `output` (PNG, PDF, SVG...).
-
-  Args:
-    results: evaluation results, one column each, sorted by trained T.
-    output: the image path.
-    baselines: reference results drawn in every panel.
-    settings: the rows.
-
-  Returns:
-    `output`.
-  """
+  """Writes the figure of `results` (a column each; `settings`: the rows; `baselines` in every
+  panel) to `output` (PNG, PDF, SVG...); returns it."""
   if not results:
     raise ValueError('plot_results needs at least one result.')
   results = sorted(results, key=lambda r: (r['trained_tasks'], r['num_tasks']))
@@ -190,15 +157,8 @@ def plot_levers(curves: dict[str, list[tuple[int, float]]], output: str) -> str:
   return _save(fig, output, dpi=110)
 
 
-PROJECTORS = ('umap', 'pca')
-
-
 def project_2d(points: np.ndarray, projector: str = 'umap', seed: int = 0) -> np.ndarray:
-  """[N, D] -> [N, 2] with UMAP (optional `umap-learn`) or PCA.
-
-  Raises:
-    ImportError: projector 'umap' without umap-learn installed.
-  """
+  """[N, D] -> [N, 2] with UMAP (ImportError without `umap-learn`) or PCA."""
   if projector == 'umap':
     try:
       import umap  # pylint: disable=g-import-not-at-top
@@ -216,11 +176,8 @@ def project_2d(points: np.ndarray, projector: str = 'umap', seed: int = 0) -> np
 
 
 def procrustes_align(points: np.ndarray, anchors: np.ndarray, targets: np.ndarray) -> np.ndarray:
-  """Moves 2-D `points` by the similarity map taking `anchors` closest to `targets`.
-
-  Translation, rotation (or reflection) and one scale, least squares on the
-  anchor pairs (orthogonal Procrustes): [N, 2], [A, 2], [A, 2] -> [N, 2].
-  """
+  """Moves 2-D `points` [N, 2] by the similarity map taking `anchors` [A, 2] closest to
+  `targets` [A, 2]: least-squares orthogonal Procrustes with one scale."""
   anchor_mean, target_mean = anchors.mean(axis=0), targets.mean(axis=0)
   a, b = anchors - anchor_mean, targets - target_mean
   u, singular, vt = np.linalg.svd(a.T @ b)
@@ -232,23 +189,11 @@ def procrustes_align(points: np.ndarray, anchors: np.ndarray, targets: np.ndarra
 def plot_embeddings(prototypes: np.ndarray, query_embeddings: np.ndarray,
                     query_labels: np.ndarray, output: str, trained_tasks: int | None = None,
                     projector: str = 'umap', seed: int = 0) -> str:
-  """The appendix figure: prototypes and queries under each theta_t, in 2-D.
+  """The appendix figure: prototypes [T, K, D] and queries under each theta_t, in 2-D.
 
-  Panel t projects the prototypes of tasks 0..t (frozen, each computed with
-  its own theta) and the queries of tasks 0..t embedded with theta_t, fitted
-  anew for every panel; each panel is then Procrustes-aligned to the one
-  before on the prototypes they share (tasks 0..t-1). Colour: task; dashed
-  lines join every query to the prototype of its class.
-
-  Args:
-    prototypes: [T, K, D].
-    query_embeddings: [P, Q, D] for the pairs (t, tau <= t) t-major (as
-      `continual.TaskPairs.lower_triangle(T)`).
-    query_labels: [T, Q] in 0..K-1.
-    output: the image path.
-    trained_tasks: T of training, for the panel titles.
-    projector: 'umap' or 'pca'.
-    seed: of UMAP.
+  Panel t projects ('umap' or 'pca') the frozen prototypes of tasks 0..t and `query_embeddings`
+  [P, Q, D] of the pairs (t, tau <= t) (t-major; labels [T, Q]), aligned by Procrustes to panel
+  t-1 on their shared prototypes. Dashed lines join each query to its class's prototype.
   """
   num_tasks, num_ways, _ = prototypes.shape
   t_of_pair, tau_of_pair = np.tril_indices(num_tasks)
@@ -288,9 +233,6 @@ def plot_embeddings(prototypes: np.ndarray, query_embeddings: np.ndarray,
   fig.suptitle(f'{projector.upper()} of prototypes (stars) and queries, aligned by Procrustes')
   fig.tight_layout()
   return _save(fig, output, dpi=120)
-
-
-FLAGS = flags.FLAGS
 
 
 def _define_flags():

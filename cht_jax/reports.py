@@ -1,16 +1,10 @@
 r"""Every results file: of an evaluation, and the tables and figures of the launch scripts.
 
-`write_results(results, <workdir>/eval/<split>_T<T_eval>_step<step>)` writes
-what `evaluate.evaluate` returns (docs/evaluation.md describes each file). Each
-file is written whole or not at all (`workdir.atomic_path`): a full disk leaves
-the complete results of an earlier evaluation, never a truncated one.
+`write_results` writes what `evaluate.evaluate` returns (docs/evaluation.md), each file whole or
+not at all (`workdir.atomic_path`). Also `write_sweep` (launch/sweep.py), `write_fast_table1`
+(launch/fast_table1.py), and the tables of the shell scripts:
 
-The launch scripts write theirs here too: `write_sweep` (launch/sweep.py),
-`write_fast_table1` (launch/fast_table1.py), and two tables the shell scripts ask for:
-
-  # launch/gpu_figure3.sh: one row per run from <work>/<run>/results.json.
   python -m cht_jax.reports runs_table --work=/tmp/figure3 --runs="t1 t2" --output=table.md
-  # launch/recipe_levers.sh: <root>/levers.{png,md} from <root>/*/metrics.jsonl.
   python -m cht_jax.reports levers --root=workdirs/levers
 """
 
@@ -85,17 +79,13 @@ def format_markdown(results: dict[str, Any]) -> str:
       '95% confidence interval over episodes. † marks theta_t with t >= T '
       '(extrapolation).',
       '',
-      '## Class-incremental accuracy of theta_t on tasks 0..t (Table 1 layout)',
-      '',
   ]
-  for name, title in (('class_incremental', None),
-                      ('task_incremental', '## Task-incremental accuracy of theta_t, '
-                       'mean over tasks 0..t')):
-    if title:
-      parts += [title, '']
+  for name, title in (
+      ('class_incremental', 'Class-incremental accuracy of theta_t on tasks 0..t (Table 1 layout)'),
+      ('task_incremental', 'Task-incremental accuracy of theta_t, mean over tasks 0..t')):
     row = results['table'][name]
     cells = [_percent(m, c) + mark(t) for t, (m, c) in enumerate(zip(row['mean'], row['ci95']))]
-    parts += [markdown_table(['Method'] + columns, [[method] + cells]), '']
+    parts += [f'## {title}', '', markdown_table(['Method'] + columns, [[method] + cells]), '']
   titles = {
       'task_incremental': 'Task-incremental accuracy A_ti[theta_t, task tau]',
       'class_incremental': 'Class-incremental accuracy A_ci[theta_t, task tau] '
@@ -142,13 +132,8 @@ def csv_rows(results: dict[str, Any]) -> list[list[Any]]:
 
 
 def write_results(results: dict[str, Any], path_prefix: str, plot: bool = True) -> list[str]:
-  """Writes `<path_prefix>.json`, `.csv`, `.md` (and `.png`); returns the paths.
-
-  The JSON holds everything (matrices as nested lists, null above the
-  diagonal and for undefined values); the CSV the three matrices in long
-  format; the Markdown the Table 1 layout, the matrices and the summaries; the
-  PNG the task- and class-incremental panels (`plots.plot_results`).
-  """
+  """Writes `<path_prefix>.json` (all; null where undefined), `.csv` (the matrices, long
+  format), `.md` (Table 1 layout, matrices, summaries) and `.png`; returns the paths."""
   folder = os.path.dirname(os.path.abspath(path_prefix))
   results = _jsonable(results)
   texts = {'.json': json.dumps(results, indent=1),
@@ -161,9 +146,7 @@ def write_results(results: dict[str, Any], path_prefix: str, plot: bool = True) 
       workdir_lib.write_atomically(path, text)
     if plot:
       from cht_jax import plots  # Matplotlib only when a figure is wanted.
-      paths.append(path_prefix + '.png')
-      with workdir_lib.atomic_path(paths[-1]) as partial:
-        plots.plot_results([results], partial)
+      paths.append(plots.plot_results([results], path_prefix + '.png'))  # Written atomically.
   except OSError as e:
     raise ReportError(
         f'Writing the evaluation results in {folder} failed ({_reason(e)}). No partial '
@@ -174,20 +157,11 @@ def write_results(results: dict[str, Any], path_prefix: str, plot: bool = True) 
 
 
 class ReportError(workdir_lib.WorkdirError):
-  """The result files of an evaluation cannot be written (a WorkdirError: `main` prints
-  its message alone)."""
+  """The result files of an evaluation cannot be written (`main` prints the message alone)."""
 
 
 def check_writable(workdir: str) -> str:
-  """Creates `<workdir>/eval` (where `result_prefix` puts the results) and checks a file
-  can be written there: before evaluating, not after.
-
-  Returns:
-    The folder.
-
-  Raises:
-    ReportError: naming the folder, the reason and what to do.
-  """
+  """Creates `<workdir>/eval`, checks it is writable (before evaluating) and returns it."""
   folder = os.path.join(os.path.abspath(workdir), 'eval')
   try:
     os.makedirs(folder, exist_ok=True)
@@ -215,10 +189,6 @@ def result_prefix(workdir: str, protocol, step: int) -> str:
                       f'{protocol.split}_T{protocol.num_tasks}_step{step}{suffix}')
 
 
-# --------------------------------------------------------------------------
-# Tables and figures of the launch scripts.
-# --------------------------------------------------------------------------
-
 SWEEP_NOTE = ('CI: class-incremental accuracy (%) of theta_t on tasks 0..t; TI: task-incremental, '
               'mean over tasks 0..t; mean ± 95% CI over episodes. Merged HT: only CI at 0..T-1 is '
               'its baseline number. Columns past a run\'s trained T extrapolate.')
@@ -229,10 +199,8 @@ def sweep_table(records: list[dict]) -> tuple[str, list[list[Any]]]:
   columns = max((r['columns'] for r in records), key=len, default=[])
   head = ['run', 'method', 'loss', 'channels', 'T', 'N', 'step', 'episodes']
   md_rows = []
-  rows = [head + [f'class_incremental_{c}' for c in columns]
-          + [f'class_incremental_{c}_ci95' for c in columns]
-          + [f'task_incremental_{c}' for c in columns]
-          + [f'task_incremental_{c}_ci95' for c in columns] + ['final_theta_last_task']]
+  rows = [head + [f'{setting}_{c}{ci}' for setting in ('class_incremental', 'task_incremental')
+                  for ci in ('', '_ci95') for c in columns] + ['final_theta_last_task']]
   fmt = lambda v: '' if v is None else f'{v:.6f}'
   for r in records:
     meta = [r['run'], r['method'], r['loss'], r['channels'], r['trained_tasks'], r['shots'],
@@ -263,10 +231,7 @@ def as_baseline(result: dict) -> dict:
 
 
 def write_sweep(records: list[dict], prefix: str, figures: bool = True) -> list[str]:
-  """`<prefix>.md`, `.csv`, `.json` (one row per run) and `<prefix>_<dataset>.png`.
-
-  One figure per dataset: CHT runs as columns, the other methods as baselines.
-  """
+  """`<prefix>.md`, `.csv`, `.json` (a row per run) and `<prefix>_<dataset>.png` figures."""
   markdown, rows = sweep_table(records)
   table = io.StringIO(newline='')
   csv.writer(table).writerows(rows)
@@ -284,9 +249,7 @@ def write_sweep(records: list[dict], prefix: str, figures: bool = True) -> list[
       columns = ([r['result'] for r in group if r['method'] == 'CHT']
                  or [r['result'] for r in group])
       baselines = [as_baseline(r['result']) for r in group if r['method'] != 'CHT']
-      paths.append(f'{prefix}_{dataset}.png')
-      with workdir_lib.atomic_path(paths[-1]) as partial:
-        plots.plot_results(columns, partial, baselines=baselines)
+      paths.append(plots.plot_results(columns, f'{prefix}_{dataset}.png', baselines=baselines))
   return paths
 
 
@@ -312,10 +275,9 @@ def write_fast_table1(workdir: str, summary: dict) -> list[str]:
   workdir_lib.write_atomically(paths[1], fast_table1_markdown(summary))
   if 'validation_curve' in summary:
     from cht_jax import plots  # Matplotlib only when a figure is wanted.
-    paths.append(os.path.join(workdir, 'curve.png'))
-    with workdir_lib.atomic_path(paths[-1]) as partial:
-      plots.plot_curve(summary['validation_curve'], f"{summary['config']} on "
-                       f"{summary['device']}, commit {summary['commit']}", partial)
+    paths.append(plots.plot_curve(
+        summary['validation_curve'], f"{summary['config']} on {summary['device']}, commit "
+        f"{summary['commit']}", os.path.join(workdir, 'curve.png')))
   return paths
 
 
@@ -337,8 +299,7 @@ def runs_table(work: str, runs: list[str]) -> str:
 
 
 def read_levers(root: str) -> dict[str, tuple[float, list[tuple[int, float]]]]:
-  """{run: (first logged training loss, [(step, validation accuracy)])} of the runs
-  under `root` (launch/recipe_levers.sh) that logged a validation accuracy."""
+  """{run: (first training loss, [(step, validation accuracy)])} of the runs under `root`."""
   levers = {}
   for path in sorted(glob.glob(os.path.join(root, '*', 'metrics.jsonl'))):
     with open(path) as f:
@@ -362,9 +323,8 @@ def write_levers(root: str) -> list[str]:
   """`<root>/levers.png` (every run's validation curve) and `<root>/levers.md`."""
   from cht_jax import plots  # Matplotlib only when a figure is wanted.
   levers = read_levers(root)
-  paths = [os.path.join(root, 'levers.png'), os.path.join(root, 'levers.md')]
-  with workdir_lib.atomic_path(paths[0]) as partial:
-    plots.plot_levers({name: val for name, (_, val) in levers.items()}, partial)
+  paths = [plots.plot_levers({name: val for name, (_, val) in levers.items()},
+                             os.path.join(root, 'levers.png')), os.path.join(root, 'levers.md')]
   workdir_lib.write_atomically(paths[1], levers_table(levers) + '\n')
   return paths
 

@@ -3,14 +3,8 @@
   --config=configs/baselines_table1.py:METHOD,T[,VARIANT]
   METHOD: finetune | ewc | maml;  T: tasks per episode;  VARIANT: smoke | tiny.
 
-The episodes, model width and evaluation are those of configs/omniglot_base.py
-(20-way 1-shot, 8 channels, 28x28); the CNN's final layer is a classification
-head (C training classes when pretraining, K*T for the task sequence).
-config.train.num_steps counts pretraining batches (finetune, ewc) or MAML++
-meta-steps. The paper gives none of the baselines' hyper-parameters; these
-follow MAML++'s Omniglot settings where it has one (5 inner steps, initial
-inner rate 0.1, Adam 1e-3 with cosine annealing to 1e-5, first order for the
-first quarter of training, multi-step loss for the first 15%).
+train.num_steps counts pretraining batches or MAML++ meta-steps. The paper gives
+no hyper-parameters for the baselines: MAML++'s Omniglot ones where it has one.
 """
 
 from configs import omniglot_base

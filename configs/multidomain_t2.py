@@ -1,14 +1,8 @@
 """Multi-domain, T=2 tasks of 5-way 1-shot, each from its own domain (paper 5.3).
 
-The paper's six TFDS datasets (data/multidomain.py), 84x84 RGB,
-each with its own 70/15/15 class split, the first 20 images of each class
-kept in memory (Omniglot has 20). 16 channels, 32-dim final layer (the
-paper's). Not stated in the paper, so chosen here: the 84x84 size, the
-tieredImageNet transformer (1 layer, 8 heads), 10 queries per class, no
-augmentation. Variants (`--config=configs/multidomain_t2.py:tiny`):
-  (none)  the settings above.
-  tiny    a very small model and 16x16 images, for tests under
-          tfds.testing.mock_data.
+The paper's six TFDS datasets (data/multidomain.py). Not stated in the paper,
+so chosen here: 84x84 RGB, the tieredImageNet transformer, 10 queries per class,
+no augmentation. Variant `tiny`: for tests under tfds.testing.mock_data.
 """
 
 from configs import tiered_imagenet_base

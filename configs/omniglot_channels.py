@@ -2,8 +2,7 @@
 
   --config=configs/omniglot_channels.py:C,T[,variant]   e.g. :16,5 or :4,2,smoke
 
-C in 4, 6, 8, 16, 32 in the paper; T in 2..5. The rest is omniglot_base's
-(20-way 1-shot, 20-dim embedding, the paper's learning rate for T).
+The rest is omniglot_base's, with the paper's learning rate for T.
 """
 
 from configs import omniglot_base

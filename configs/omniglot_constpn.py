@@ -2,11 +2,8 @@
 
   --config=configs/omniglot_constpn.py:T[,variant]    e.g. :5 or :2,smoke
 
-The CNN of the CHT configs (one network definition, cht_jax/models/cnn.py) with
-trained parameters, trained as a prototypical network on single tasks of
-constpn_ways_multiplier x 20 = 100 ways; evaluated like CHT on episodes of T
-20-way tasks (T only sets the evaluation episodes: ConstPN has no memory of
-tasks). The paper gives no learning rate for it; this uses CHT's T <= 4 rate.
+The CHT configs' CNN trained as a prototypical network on single tasks of
+constpn_ways_multiplier x 20 ways; T sets the evaluation episodes only.
 """
 
 from configs import omniglot_base

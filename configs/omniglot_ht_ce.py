@@ -2,10 +2,9 @@
 
   --config=configs/omniglot_ht_ce.py:T[,variant]   e.g. :5 or :2,smoke
 
-CHT trained with HT's own loss: the final layer is K=20 class logits
-(cnn_embedding_dim = episode.ways), so tasks collide on the same labels.
-Evaluation scores the task-incremental setting with those logits; the
-class-incremental numbers use prototypes of the head outputs.
+CHT trained with HT's own loss: the final layer is K class logits, so tasks
+collide on the same labels. Task-incremental accuracy comes from those logits,
+class-incremental from prototypes of them.
 """
 
 from configs import omniglot_base
@@ -18,10 +17,7 @@ def get_config(arg=None):
       variant=variant)
   config.loss = 'cross_entropy'
   config.model.cnn_embedding_dim = config.episode.get_ref('ways')
-  # The original HT's data conventions, where this recipe would take them from:
-  # support and query images drawn apart (a query may be the support image) and
-  # binarised pixels. Off, as in every paper config, until the defaults are
-  # decided; evaluate with --eval_sampler=original for the original's test sampler.
+  # HT's data conventions, off as in every paper config (--eval_sampler=original for HT's).
   config.episode.independent_draws = False
   config.data.binarize = False
   return config

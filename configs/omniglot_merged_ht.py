@@ -2,10 +2,8 @@
 
   --config=configs/omniglot_merged_ht.py:T[,variant]   e.g. :3 or :2,smoke
 
-One plain HyperTransformer with 20*T ways, trained on the T tasks of each episode
-merged into one 20*T-way task. Evaluated on episodes of T tasks; only the
-class-incremental accuracy of theta_{T-1} on tasks 0..T-1 is the baseline (the
-paper runs one Merged HT per T: sweep T=2..5 for its stars).
+One HT trained on each episode's T tasks merged into one 20*T-way task; only the
+class-incremental accuracy of theta_{T-1} is the baseline (one run per T).
 """
 
 from configs import omniglot_base

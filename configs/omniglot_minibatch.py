@@ -2,33 +2,21 @@
 
   --config=configs/omniglot_minibatch.py:ARM[,variant]   e.g. :one_at_a_time,smoke
 
-Four 1-shot support batches S1..S4 of the same classes (episode.task_classes =
-'same'), cross-entropy loss (the head gives K logits), and the arms:
-
+Four 1-shot support batches S1..S4 of the same classes, cross-entropy loss:
   all_at_once     theta(a) = HT(S1+S2+S3+S4): T=1 task with 4 shots
   two_plus_two    theta(b) = HT(S3+S4, HT(S1+S2)): CHT, T=2 tasks of 2 shots
   one_at_a_time   theta(c) = HT(S4, HT(S3, HT(S2, HT(S1)))): CHT, T=4 tasks of 1 shot
   ht_one          HT given S1 only: T=1, 1 shot
   ht_two          HT given S1+S2: T=1, 2 shots
 
-The number to compare is the accuracy of the last theta_{T-1} on the queries
-(the task-incremental accuracy, read from the head's logits; all tasks share
-the classes). The paper used tieredImageNet 5-way (67.9 / 68.0 / 68.3 %, HT
-56.2 / 62.9 %); these arms run on whatever data.dataset is (Omniglot 20-way
-here; `--config.episode.ways=5` for 5-way, the head follows). With a
-tieredImageNet config, apply the same `ARMS` settings to it.
+Compare the task-incremental accuracy of the last theta_{T-1}. The paper used
+tieredImageNet 5-way (configs/tiered_imagenet_minibatch.py).
 """
 
 from configs import omniglot_base
 
-# arm -> (num_tasks, shots).
-ARMS = {
-    'all_at_once': (1, 4),
-    'two_plus_two': (2, 2),
-    'one_at_a_time': (4, 1),
-    'ht_one': (1, 1),
-    'ht_two': (1, 2),
-}
+ARMS = {'all_at_once': (1, 4), 'two_plus_two': (2, 2), 'one_at_a_time': (4, 1),  # (T, shots)
+        'ht_one': (1, 1), 'ht_two': (1, 2)}
 
 
 def apply_arm(config, arm: str):

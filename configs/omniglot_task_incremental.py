@@ -2,8 +2,7 @@
 
   --config=configs/omniglot_task_incremental.py:T[,variant]   e.g. :5 or :2,smoke
 
-Compare with configs/omniglot_t{T}.py (class-incremental objective, eq. 6);
-both are evaluated in both settings.
+Compare with configs/omniglot_t{T}.py (class-incremental objective, eq. 6).
 """
 
 from configs import omniglot_base

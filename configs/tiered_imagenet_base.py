@@ -1,17 +1,8 @@
 """Shared settings of the tieredImageNet experiments (paper, "Experiments").
 
-Not a config file itself: `tiered_imagenet_t{2..5}.py` call `get_config` with
-their number of tasks. Built on `omniglot_base` (the same fields), changed
-where the paper differs: 5-way 5-shot, 84x84 RGB, 64 channels, 40-dim final
-layer, 16 image features, a 1-layer 8-head transformer with value / inner
-fractions 0.5 and leaky ReLU (HT's tieredImageNet settings), SGD 5e-6, 20
-queries per class (100 per 5-way task, as HT), training augmentation (flip,
-hue, brightness, contrast, crop-and-resize) and no rotation. Episodes come
-from the host pipeline (data.pipeline='host'): the 448k training images stay
-on disk. Variants (`--config=configs/tiered_imagenet_t2.py:tiny`):
-  (none)  the paper's settings.
-  tiny    a very small model, 16x16 images and custom class counts, for tests
-          on a generated dataset (data.check_class_counts=False).
+Not a config file itself. `omniglot_base` changed where the paper (and HT's
+tieredImageNet settings) differs; episodes come from the host pipeline. Variant
+`tiny`: for tests on a generated dataset.
 """
 
 from configs import omniglot_base
@@ -30,8 +21,7 @@ def get_config(num_tasks: int, learning_rate: float = 5e-6, variant: str | None 
   data.manual_dir = ''  # The download ('' = <data_dir>/downloads/manual/tiered_imagenet).
   data.image_size = 84
   data.rotate = False
-  # Validation / test classes kept in memory: the first 60 images of each.
-  data.images_per_class = 60
+  data.images_per_class = 60  # Per validation / test class, kept in memory.
   data.check_class_counts = True  # Insist on 351 / 97 / 160 classes.
   data.augment.flip = True
   data.augment.hue = 0.05  # Up to 18 degrees of hue rotation.

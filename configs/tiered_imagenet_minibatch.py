@@ -2,13 +2,8 @@
 
   --config=configs/tiered_imagenet_minibatch.py:ARM[,tiny]   e.g. :one_at_a_time
 
-The arms of `configs/omniglot_minibatch.py` (four 1-shot support batches of the
-same classes: all at once, two plus two, one at a time; HT given one and two
-batches; cross-entropy) on the tieredImageNet settings of
-`configs/tiered_imagenet_base.py`. The paper's numbers: 67.9 / 68.0 / 68.3 %,
-HT 56.2 / 62.9 %. With the same classes in every task no image is in two
-tasks, so an episode needs T * (N + Q) images per class: the validation and
-test classes keep their first 100 images in memory here (60 in the base config).
+The arms of `configs/omniglot_minibatch.py` on `configs/tiered_imagenet_base.py`.
+The paper's numbers: 67.9 / 68.0 / 68.3 %, HT 56.2 / 62.9 %.
 """
 
 from configs import omniglot_minibatch

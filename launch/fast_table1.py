@@ -4,32 +4,18 @@ r"""Trains a ':fast' config, evaluates it with the full protocol, and gathers th
   python launch/fast_table1.py --workdir=results/fast_t5 -- \
       --config=configs/omniglot_t5.py:fast --config.data.data_dir=$HOME/tensorflow_datasets
 
-  # The CPU version of the T=2 check (issue 16): 10 minutes of training on 2 cores
-  # (docs/results.md, sections 5, 12, 13); the paper's 8-channel CNN ...
+  # The CPU version of the T=2 check (issue 16; docs/results.md, sections 5, 12, 13):
   python launch/fast_table1.py --workdir=results/fast_t2_cpu --train_seconds=600 -- \
       --config=configs/omniglot_t2.py:fast --config.train.episodes_per_step=8 \
       --config.optim.learning_rate=0.0028 --config.train.num_steps=6000
-  # ... and its 16-channel one (the paper's appendix width), with fewer steps.
-  python launch/fast_table1.py --workdir=results/fast_t2_cpu_16ch --train_seconds=600 -- \
-      --config=configs/omniglot_channels.py:16,2,fast --config.train.episodes_per_step=8 \
-      --config.optim.learning_rate=0.0028 --config.train.num_steps=3400
+  # Its 16-channel version (the paper's appendix width): docs/recipe.md, Commands.
 
-Everything after `--` goes to `python -m cht_jax.main` for both the training
-and the evaluation (so `--config.x=y` overrides apply to both). Training resumes
-from the workdir's latest checkpoint, so a long budget can be spent in slices:
-rerun the same command. With `--train_seconds` training is stopped by SIGTERM
-after that many seconds (it checkpoints and exits, as on a preempted cluster
-job); the evaluation then scores that checkpoint.
-
-Writes, in `--workdir` besides the run's own files:
-  results.json   the Table 1 row (class- and task-incremental accuracy on tasks
-                 0, 0-1, ... with 95% CIs), the device, JAX version, commit,
-                 command and wall clock of training and evaluation;
-  results.md     the same as a table;
-  curve.png      validation accuracy against episodes and against training
-                 wall clock (from metrics.jsonl);
-  eval/...       the evaluation's full reports (reports.write_results).
-The first three are written by reports.write_fast_table1.
+Everything after `--` goes to `python -m cht_jax.main` for training and evaluation.
+Training resumes from the workdir's latest checkpoint; `--train_seconds` stops it with
+SIGTERM (checkpointed) and the evaluation scores that checkpoint. Writes in `--workdir`
+(reports.write_fast_table1): results.json (the Table 1 row with 95% CIs, device, JAX,
+commit, command, wall clocks), results.md, curve.png (validation accuracy against
+episodes and wall clock); and eval/... (reports.write_results).
 """
 
 import argparse
@@ -78,11 +64,8 @@ def _commit() -> str:
 
 
 def training_curve(metrics_path: str) -> dict[str, list[float]]:
-  """Validation accuracy against step, episodes and training wall clock.
-
-  Wall clock is rebuilt from the logged throughput of each window of steps
-  (train/steps_per_sec), so it counts training steps, not validation or startup.
-  """
+  """Validation accuracy against step, episodes and training wall clock (rebuilt from
+  train/steps_per_sec: training steps only, not validation or startup)."""
   rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
   elapsed, last_step, at_step = 0.0, 0, {0: 0.0}
   episodes_per_step = None
@@ -126,8 +109,7 @@ def main():
   if not any(a.startswith('--config=') for a in args.main_args):
     parser.error('Give the config after --, e.g. -- --config=configs/omniglot_t5.py:fast')
   workdir = os.path.abspath(args.workdir)
-  main_command = [sys.executable, '-m', 'cht_jax.main', f'--workdir={workdir}',
-                  *args.main_args]
+  main_command = [sys.executable, '-m', 'cht_jax.main', f'--workdir={workdir}', *args.main_args]
   train_seconds = None
   if not args.skip_training:
     code, train_seconds = _run(main_command, args.train_seconds)
@@ -144,15 +126,11 @@ def main():
   from cht_jax import reports  # pylint: disable=g-import-not-at-top
   summary = {
       'config': next(a.split('=', 1)[1] for a in args.main_args if a.startswith('--config=')),
-      'command': shlex.join(sys.argv),
-      'commit': _commit(),
+      'command': shlex.join(sys.argv), 'commit': _commit(),
       'device': results.get('timing', {}).get('device') or jax.devices()[0].device_kind,
-      'jax': jax.__version__,
-      'train_wall_seconds': train_seconds,
-      'eval_wall_seconds': eval_seconds,
-      'evaluation': os.path.relpath(evals[-1], workdir),
-      'step': results.get('step'),
-      'table1': _table1_row(results),
+      'jax': jax.__version__, 'train_wall_seconds': train_seconds,
+      'eval_wall_seconds': eval_seconds, 'evaluation': os.path.relpath(evals[-1], workdir),
+      'step': results.get('step'), 'table1': _table1_row(results),
   }
   metrics = os.path.join(workdir, 'metrics.jsonl')
   if os.path.exists(metrics):

@@ -4,27 +4,17 @@
 #   OUT=results/gpu DATA_DIR=~/tensorflow_datasets bash launch/gpu_check.sh [seconds]
 #   SPEED=0 ... bash launch/gpu_check.sh 560   # the recipe alone, with the whole budget
 #   SPEED=0 STEPS_PER_S=25 FAST_FLAGS=--config.train.episodes_per_step=16 ... 560
-#                                               # the recipe at 16 episodes per step
 #   SPEED=0 STEPS_PER_S=12 FAST_CONFIG=configs/omniglot_channels.py:16,5,fast ... 585
 #                                               # the 16-channel CNN (docs/results.md, 13)
-#   ... bash launch/gpu_check.sh 330            # the speed part alone (about 5 minutes)
-# On a machine that receives the tree without its git history (the lent GPU machines),
-# CHT_COMMIT=<commit> names the commit in results.json.
+#   ... bash launch/gpu_check.sh 330            # the speed part alone
+# CHT_COMMIT=<commit> names the commit in results.json where the tree has no git history.
 #
-# 1. Speed: the T=5 training step at 64 and 256 episodes per step without
-#    rematerialisation (the recipe's setting), float32 against bfloat16 convolutions
-#    (model.compute_dtype), with a profile of where the device time goes
-#    (cht_jax/tools/profiling.py; the trace and the optimised HLO are kept); then T=1.
-# 2. Recipe: configs/omniglot_t5.py:fast trained for what is left of the budget (the
-#    faster remat setting, the number of steps sized from the measured speed), then
-#    the full evaluation protocol (launch/fast_table1.py).
-# 3. Whether the trained model's generated CNN depends on its task: accuracy with a
-#    task's own theta against another task's (diagnostics/task_specificity.py).
-# Needs JAX, flax, optax, orbax-checkpoint, chex, absl-py, ml_collections (wheels in
-# .whl/ are installed first, for machines without them) and an Omniglot cache
-# (<DATA_DIR>/cht_jax_cache/omniglot_ht_2022_28.npz, written by any earlier run that
-# read the data): no TensorFlow or TFDS. At most 8 files are written to $OUT (the
-# last checkpoint among them, as checkpoint.tar.gz).
+# 1. Speed: the T=5 step at 64 and 256 episodes per step without remat, float32 against
+#    bfloat16 convolutions, profiled (cht_jax/tools/profiling.py); T=1.
+# 2. Recipe: configs/omniglot_t5.py:fast for the rest of the budget, then the full
+#    evaluation (launch/fast_table1.py). 3. diagnostics/task_specificity.py.
+# Needs the pure-Python dependencies (or their wheels in .whl/) and an Omniglot cache
+# (<DATA_DIR>/cht_jax_cache/omniglot_ht_2022_28.npz); no TensorFlow. At most 8 files in $OUT.
 set -u
 TOTAL=${1:-560}
 OUT=${OUT:-gpu_check_out}
@@ -40,10 +30,8 @@ B=${BATCH_SIZES%%,*}
 FAST_CONFIG=${FAST_CONFIG:-configs/omniglot_t5.py:fast}
 FAST_FLAGS=${FAST_FLAGS:-}
 SPEED=${SPEED:-1}  # 0: skip part 1; the recipe's steps are sized from an H200's speed.
-# The recipe's speed in steps/s, to size its schedule (default: part 1's measurement at
-# the first batch size, else an H200's speed at 64 episodes per step). Set it when
-# FAST_FLAGS changes the episodes per step: too high and the time guard cuts the run
-# before its learning rate has decayed; too low and the schedule ends early.
+# The recipe's steps/s, to size its schedule (default: part 1's at the first batch size,
+# else an H200's at 64 episodes per step). Set it when FAST_FLAGS changes the batch.
 STEPS_PER_S=${STEPS_PER_S:-}
 . launch/gpu_env.sh
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
@@ -77,8 +65,7 @@ if [ -f "$OUT/trace.tar.gz" ] && [ "$(stat -c %s "$OUT/trace.tar.gz")" -gt 15000
 fi
 fi
 
-# As many steps as fit the time left after startup, compilation, validation and
-# evaluation, at the speed part 1 measured (float32, no remat: what :fast runs).
+# As many steps as fit the time left after startup, compilation and evaluation.
 TRAIN_SECONDS=$(( $(left) - 160 ))
 if [ "$TRAIN_SECONDS" -lt 120 ]; then
   say "2. recipe skipped: $(left) s left, too little to train (give the check more seconds, or SPEED=0)"
@@ -104,9 +91,8 @@ python3 launch/fast_table1.py --workdir=/tmp/fast_t5 --train_seconds="$TRAIN_SEC
     --config.train.num_steps="$STEPS" \
     --eval_batch_size=64 $FAST_FLAGS 2>&1 | quiet | tee -a "$LOG"
 cp /tmp/fast_t5/curve.png "$OUT/" 2>/dev/null
-# The results first, then the last checkpoint on its own (small: a later session
-# can carry it back to resume the run or study the trained model), then part 3, so
-# that a check cut by the command's time limit still returns what it finished.
+# Results first, then the last checkpoint (to resume or study later), then part 3: a
+# check cut by the time limit still returns what it finished.
 pack_results() {
   (cd /tmp && tar czf "$ABS_OUT/fast_t5.tar.gz" fast_t5/results.json fast_t5/results.md \
       fast_t5/metrics.jsonl fast_t5/config.json fast_t5/eval 2>/dev/null)

@@ -1,10 +1,6 @@
-# Sourced by the one-command GPU checks (launch/gpu_check.sh, launch/gpu_figure3.sh), after
-# they set OUT: the clock, the log, and a Python environment on a machine that lacks the
-# pure-Python packages (wheels in .whl/, installed to /tmp/site, never into the system).
-#   START      the check's start (seconds since the epoch)
-#   ABS_OUT    $OUT as an absolute path, so that it survives a cd
-#   LOG        $ABS_OUT/log.txt
-#   say MSG    prints MSG with the seconds since START and appends it to LOG
+# Sourced by launch/gpu_check.sh and launch/gpu_figure3.sh once they set OUT: START (the
+# epoch seconds), ABS_OUT ($OUT made absolute), LOG ($ABS_OUT/log.txt), `say MSG` (MSG with
+# the seconds since START, to LOG too), and the wheels of .whl/ installed to /tmp/site.
 START=$(date +%s)
 mkdir -p "$OUT"
 ABS_OUT=$(cd "$OUT" && pwd)

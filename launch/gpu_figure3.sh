@@ -1,30 +1,21 @@
 #!/bin/bash
-# Figure 3 and 4's curves on one GPU in one command of under 10 minutes: configs/omniglot_t{1..4}.py:fast
-# and ConstPN (configs/omniglot_constpn.py:5,fast) trained at the same time on the one GPU,
-# each scored with the full protocol on 5-task episodes (past its own T: extrapolation),
-# then the paper-style figure (cht_jax/plots.py). T=5 comes from launch/gpu_check.sh: pass
-# its evaluation file in EXTRA_RESULTS to draw it too.
+# Figure 3 and 4's curves on one GPU in under 10 minutes: configs/omniglot_t{1..4}.py:fast
+# and ConstPN (configs/omniglot_constpn.py:5,fast) trained at once (much of each run is
+# compilation on the host's CPUs; each process may take GPU_FRACTION of the GPU's memory),
+# each scored with the full protocol on 5-task episodes, then the paper-style figure
+# (cht_jax/plots.py), with T=5 from launch/gpu_check.sh's evaluation file in EXTRA_RESULTS.
 #
 #   OUT=results/figure3 DATA_DIR=~/tensorflow_datasets bash launch/gpu_figure3.sh [seconds]
-#   EXTRA_RESULTS=results/fast_t5/eval/test_T5_step5400.json ... bash launch/gpu_figure3.sh
-#   # the next GPU session's check, with the T=5 run of docs/results.md section 9:
 #   CHT_COMMIT=<commit> EXTRA_RESULTS=docs/recipe_t5_h200_full_eval.json OUT=$OUT \
-#       DATA_DIR=.gpu_data bash launch/gpu_figure3.sh 585
-#   # the same at 16 channels (configs/omniglot_channels.py:16,T,fast; ConstPN as wide),
-#   # with the T=5 evaluation file of the 16-channel launch/gpu_check.sh run:
-#   CHANNELS=16 EXTRA_RESULTS=<its eval/test_T5_step*.json> ... bash launch/gpu_figure3.sh 585
+#       DATA_DIR=.gpu_data bash launch/gpu_figure3.sh 585   # docs/results.md section 9
+#   CHANNELS=16 EXTRA_RESULTS=<16-channel gpu_check.sh's eval/test_T5_step*.json> ... 585
+#   RUNS="t1 t2" CONFIG_VARIANT=tiny STEPS=20 EVAL_EPISODES=8 OUT=/tmp/fig3 \
+#       bash launch/gpu_figure3.sh 400                      # a dry run on a CPU
 #
-# Why at the same time: much of each run is compilation on the host's CPUs, which runs
-# in parallel; the GPU is shared (each process may take GPU_FRACTION of its memory). At T=5
-# the validation curve of `:fast` flattens well before the end of its schedule
-# (docs/results.md section 9), so STEPS=2200 for every run, with warmup and cosine decay
-# over them. Each run is stopped (checkpointed) after the time left less the evaluation's
-# share, and evaluated all the same.
-# Needs what launch/gpu_check.sh needs (no TensorFlow or TFDS: an Omniglot cache in
-# DATA_DIR). Writes at most 8 files to $OUT: log.txt, figure3.png, results.tar.gz (each
-# run's results.json / .md, curve, metrics and evaluation files) and table.md.
-# A dry run on a CPU (a few minutes):
-#   RUNS="t1 t2" CONFIG_VARIANT=tiny STEPS=20 EVAL_EPISODES=8 OUT=/tmp/fig3 bash launch/gpu_figure3.sh 400
+# STEPS=2200 for every run: the T=5 `:fast` curve flattens well before (docs/results.md
+# section 9). Runs are stopped (checkpointed) before the evaluation's share of the time.
+# Needs what launch/gpu_check.sh needs. Writes to $OUT: log.txt, figure3.png, table.md and
+# results.tar.gz (each run's results.json / .md, curve, metrics and evaluation files).
 set -u
 TOTAL=${1:-585}
 OUT=${OUT:-gpu_figure3_out}

@@ -4,16 +4,13 @@ r"""Runs `python -m cht_jax.main` as N processes of one JAX job on this machine.
       --config=configs/omniglot_t2.py:tiny --config.train.episodes_per_step=2 \
       --workdir=/tmp/two_processes
 
-Started the way a cluster starts them (cf. launch/slurm.sbatch): the same
-command in every process, with --distributed, a coordinator on 127.0.0.1 at a
-free port, --num_processes=N and each its own --process_id; the CPU collectives
-go over Gloo. Each process gets --devices_per_process CPU devices (default:
-the machine's cores split evenly), and the episodes of a step are split over
-all of them: train.episodes_per_step must be a multiple of their total (2
-above). SIGTERM and SIGINT are forwarded to every process; the first process to
-fail stops the others (after --grace_seconds), and its exit status is this
-launcher's, as a shell gives it: 128 + N for a process killed by signal N (137
-for SIGKILL).
+The same command in every process, as a cluster starts them (cf. launch/slurm.sbatch):
+--distributed, a coordinator on 127.0.0.1 at a free port, --num_processes=N and each its
+own --process_id; CPU collectives over Gloo. Each process gets --devices_per_process CPU
+devices (default: the cores split evenly); train.episodes_per_step must be a multiple of
+their total. SIGTERM and SIGINT are forwarded; the first process to fail stops the others
+(after --grace_seconds), and its exit status is this launcher's, as a shell gives it
+(128 + N when killed by signal N).
 """
 
 import argparse
@@ -47,8 +44,7 @@ def environment(devices_per_process: int) -> dict[str, str]:
 
 
 def shell_status(returncode: int) -> int:
-  """Popen's -N (killed by signal N) as a shell reports it, 128 + N; sys.exit(-9) would
-  give 247."""
+  """Popen's -N (killed by signal N) as a shell reports it, 128 + N (not sys.exit's 247)."""
   return 128 - returncode if returncode < 0 else returncode
 
 

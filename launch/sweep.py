@@ -12,22 +12,14 @@ r"""Runs a sweep of experiments (train, then evaluate), and collects their resul
   python launch/sweep.py --sweep=omniglot_tasks --launcher=print
   python launch/sweep.py --sweep=omniglot_tasks --collect_only --root=workdirs/tasks
 
-Sweeps (`SWEEPS`): omniglot_tasks (CHT T=1..5), omniglot_channels (4, 6, 8, 16, 32
-channels x T=2..5), baselines (CHT, ConstPN, Merged HT, HT with cross-entropy,
-task-incremental CHT, all at --num_tasks), table1 (CHT, pretraining + fine-tuning, EWC,
-MAML++ at --num_tasks), merged_ht (Merged HT T=2..5, the stars of
-the paper's Figure 4), minibatch (the five arms of section 5.1 on Omniglot),
-tiered_minibatch (the same on tieredImageNet 5-way, as in the paper). `--only=a,b` keeps
-some runs. Each run is `python -m cht_jax.main --config=FILE:ARGS[,variant]
---workdir=<root>/<run> [--override ...]`, then the same with `--mode=eval [--eval_flag
-...]`; a workdir that holds checkpoints resumes, so rerunning a sweep finishes it.
+Sweeps: `_sweeps` (merged_ht: the paper's Figure 4 stars; minibatch, tiered_minibatch:
+section 5.1's five arms). `--only=a,b` keeps some runs. Each run is `python -m
+cht_jax.main --config=FILE:ARGS[,variant] --workdir=<root>/<run> [--override ...]`, then
+with `--mode=eval [--eval_flag ...]`; a workdir with checkpoints resumes.
 
-Collected (from each run's latest `<workdir>/eval/<split>_T<T>_step<step>.json`,
-`reports.write_results`) by `reports.write_sweep`: `<root>/sweep_<name>.{md,csv,json}`,
-one row per run: class- and task-incremental accuracy on tasks 0, 0-1, ... (Table 1
-layout), and one
-figure per dataset, `<root>/sweep_<name>_<dataset>.png` (`cht_jax.plots`: CHT runs as
-columns, ConstPN and Merged HT drawn as baselines in every panel).
+`reports.write_sweep` collects each run's latest `<workdir>/eval/<split>_T<T>_step<step>.json`
+into `<root>/sweep_<name>.{md,csv,json}` (a Table 1 row per run) and a figure per dataset,
+`<root>/sweep_<name>_<dataset>.png` (`cht_jax.plots`).
 """
 
 import argparse
@@ -127,11 +119,6 @@ def slurm_script(runs: list[tuple[str, list[str], list[str]]], sbatch_args: list
   return '\n'.join(lines) + '\n'
 
 
-# --------------------------------------------------------------------------
-# Collecting.
-# --------------------------------------------------------------------------
-
-
 def latest_result(workdir: str) -> str | None:
   """The evaluation JSON of the latest step (then largest T_eval) in <workdir>/eval."""
   found = []
@@ -155,18 +142,13 @@ def collect(names_and_workdirs: list[tuple[str, str]]) -> list[dict]:
     config = result.get('config', {})
     final = result['task_incremental']['mean'][-1]
     records.append({
-        'run': name, 'path': path, 'result': result,
-        'method': result.get('method', 'CHT'),
+        'run': name, 'path': path, 'result': result, 'method': result.get('method', 'CHT'),
         'dataset': config.get('data', {}).get('dataset', 'unknown'),
-        'loss': config.get('loss', ''),
-        'channels': config.get('model', {}).get('channels'),
+        'loss': config.get('loss', ''), 'channels': config.get('model', {}).get('channels'),
         'trained_tasks': result['trained_tasks'], 'num_tasks': result['num_tasks'],
         'ways': result['episode']['ways'], 'shots': result['episode']['shots'],
-        'step': result.get('step'),
-        'episodes': result['protocol']['num_episodes'],
-        'columns': result['table']['columns'],
-        'class_incremental': result['table']['class_incremental'],
-        'task_incremental': result['table']['task_incremental'],
+        'step': result.get('step'), 'episodes': result['protocol']['num_episodes'],
+        **{k: result['table'][k] for k in ('columns', 'class_incremental', 'task_incremental')},
         # theta_{T-1} on the queries of its own task (the mini-batch number).
         'final_theta_last_task': final[len(final) - 1],
     })
@@ -204,18 +186,15 @@ def main(argv=None) -> int:
                    f'{[name for name, _, _ in runs]}.')
     runs = [r for r in runs if r[0] in keep]
   root = os.path.abspath(args.root)
-  planned = []
-  for name, path, config_args in runs:
-    workdir = os.path.join(root, name)
-    spec = config_spec(path, config_args, args.variant)
-    planned.append((name, *run_commands(spec, workdir, args.override, args.eval_flag)))
+  planned = [(name, *run_commands(config_spec(path, config_args, args.variant),
+                                  os.path.join(root, name), args.override, args.eval_flag))
+             for name, path, config_args in runs]
 
   failed = []
   if not args.collect_only:
     if args.launcher == 'print':
       for _, train, evaluate in planned:
-        print(shlex.join(train))
-        print(shlex.join(evaluate))
+        print(shlex.join(train), shlex.join(evaluate), sep='\n')
       return 0
     if args.launcher == 'slurm':
       os.makedirs(root, exist_ok=True)
@@ -223,9 +202,7 @@ def main(argv=None) -> int:
       with open(script, 'w') as f:
         f.write(slurm_script(planned, args.sbatch_arg))
       print(f'Wrote {script}; collect afterwards with --collect_only.')
-      if args.submit:
-        return subprocess.call(['bash', script])
-      return 0
+      return subprocess.call(['bash', script]) if args.submit else 0
     for name, train, evaluate in planned:
       if not run_local(name, [train, evaluate], os.path.join(root, name)):
         failed.append(name)

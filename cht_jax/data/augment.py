@@ -1,21 +1,16 @@
 """Training augmentations in pure JAX: flip, hue, brightness, contrast, crop.
 
-tieredImageNet's training augmentation. Everything is
-traceable, so it runs inside the jitted training step, after the on-device
-sampler or on a host-pipeline batch alike, drawing from the step's key.
-Each image gets its own random draw.
-
-Images are normalized floats [..., H, W, D] as `episodes.normalize` makes them
-(x / 128 - 1 from uint8 x, in [-1, 0.9921875]); the output is clipped back to
-that range. On the [0, 1) scale u = (x + 1) / 2 = pixel / 256 used inside:
+tieredImageNet's training augmentation, traceable, run inside the jitted step
+with its own random draw per image. Images are normalized [..., H, W, D] as
+`episodes.normalize` makes them; the output is clipped back to [-1, 0.9921875].
+On the [0, 1) scale u = (x + 1) / 2 = pixel / 256 used inside:
 * flip: left-right with probability 1/2;
-* hue: the chroma (I, Q of YIQ) rotated by 2 pi * delta, delta ~ U[-hue, hue]
-  (only for D = 3);
+* hue (D = 3): the chroma (I, Q of YIQ) rotated by 2 pi * delta, delta ~ U[-hue, hue];
 * brightness: u + delta, delta ~ U[-brightness, brightness];
-* contrast: (u - mean) * f + mean, f ~ U[1 - contrast, 1 + contrast], the
-  mean per image and channel (as tf.image.adjust_contrast);
-* crop: a square-sided box, each side a fraction s ~ U[crop_min_scale, 1] of
-  the image's, at a uniform position, resized back to H x W (bilinear).
+* contrast: (u - mean) * f + mean, f ~ U[1 - contrast, 1 + contrast], the mean
+  per image and channel (as tf.image.adjust_contrast);
+* crop: a box of side fractions s ~ U[crop_min_scale, 1] at a uniform position,
+  resized back to H x W (bilinear).
 A strength of 0 (crop_min_scale 1, flip False) leaves the images unchanged.
 """
 
@@ -28,9 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _MAX_U = 255.0 / 256.0  # Largest value of the [0, 1) scale: pixel 255.
-# RGB <-> YIQ (NTSC).
-# NumPy, not jnp: a jnp constant at import would start the JAX backend before
-# main can set the CPU device count or call jax.distributed.initialize().
+# RGB <-> YIQ (NTSC). NumPy: a jnp constant at import would start the JAX backend.
 _RGB_TO_YIQ = np.array([[0.299, 0.587, 0.114],
                         [0.595716, -0.274453, -0.321263],
                         [0.211456, -0.522591, 0.311135]])
@@ -41,12 +34,10 @@ class AugmentSpec(NamedTuple):
   """Strengths of the augmentations (all off by default).
 
   Attributes:
-    flip: random left-right flips.
     hue: max hue rotation, as a fraction of a full turn (0..0.5).
     brightness: max additive change on the [0, 1) scale.
     contrast: max relative change of the contrast (0..1).
-    crop_min_scale: smallest side fraction of the random crop (0 < s <= 1; 1
-      = no crop).
+    crop_min_scale: smallest side fraction of the random crop (1: no crop).
   """
   flip: bool = False
   hue: float = 0.0
@@ -65,13 +56,11 @@ def validate(spec: AugmentSpec) -> None:
   if not 0 <= spec.hue <= 0.5:
     raise ValueError(f'augment.hue must be in [0, 0.5], got {spec.hue}.')
   if not 0 <= spec.brightness <= 1:
-    raise ValueError(f'augment.brightness must be in [0, 1], got '
-                     f'{spec.brightness}.')
+    raise ValueError(f'augment.brightness must be in [0, 1], got {spec.brightness}.')
   if not 0 <= spec.contrast <= 1:
     raise ValueError(f'augment.contrast must be in [0, 1], got {spec.contrast}.')
   if not 0 < spec.crop_min_scale <= 1:
-    raise ValueError(f'augment.crop_min_scale must be in (0, 1], got '
-                     f'{spec.crop_min_scale}.')
+    raise ValueError(f'augment.crop_min_scale must be in (0, 1], got {spec.crop_min_scale}.')
 
 
 def _hue(u: jax.Array, delta: jax.Array) -> jax.Array:
@@ -81,16 +70,12 @@ def _hue(u: jax.Array, delta: jax.Array) -> jax.Array:
   rotation = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
   rotation = rotation.at[1, 1].set(cos).at[1, 2].set(-sin)
   rotation = rotation.at[2, 1].set(sin).at[2, 2].set(cos)
-  matrix = (jnp.asarray(_YIQ_TO_RGB, jnp.float32) @ rotation
-            @ jnp.asarray(_RGB_TO_YIQ, jnp.float32))
+  matrix = jnp.asarray(_YIQ_TO_RGB, jnp.float32) @ rotation @ jnp.asarray(_RGB_TO_YIQ, jnp.float32)
   return u @ matrix.T
 
 
 def _crop(u: jax.Array, scale: jax.Array, where: jax.Array) -> jax.Array:
-  """Crops a box of side fraction `scale` at relative position `where` [2].
-
-  u: [H, W, D]; returns [H, W, D], the box resized back bilinearly.
-  """
+  """Crops u [H, W, D] to a box of side fraction `scale` at `where` [2], resized back."""
   height, width, _ = u.shape
   size = jnp.array([height, width], jnp.float32)
   offset = where * (1.0 - scale) * size  # Top-left corner, in pixels.
@@ -103,45 +88,32 @@ def _augment_one(key: jax.Array, u: jax.Array, spec: AugmentSpec) -> jax.Array:
   """One image u [H, W, D] on the [0, 1) scale."""
   keys = jax.random.split(key, 6)
   if spec.crop_min_scale < 1:
-    scale = jax.random.uniform(keys[0], (), minval=spec.crop_min_scale,
-                               maxval=1.0)
+    scale = jax.random.uniform(keys[0], (), minval=spec.crop_min_scale, maxval=1.0)
     u = _crop(u, scale, jax.random.uniform(keys[1], (2,)))
   if spec.flip:
     u = jnp.where(jax.random.bernoulli(keys[2]), u[:, ::-1], u)
   if spec.hue > 0 and u.shape[-1] == 3:
-    u = _hue(u, jax.random.uniform(keys[3], (), minval=-spec.hue,
-                                   maxval=spec.hue))
+    u = _hue(u, jax.random.uniform(keys[3], (), minval=-spec.hue, maxval=spec.hue))
   if spec.brightness > 0:
-    u = u + jax.random.uniform(keys[4], (), minval=-spec.brightness,
-                               maxval=spec.brightness)
+    u = u + jax.random.uniform(keys[4], (), minval=-spec.brightness, maxval=spec.brightness)
   if spec.contrast > 0:
-    factor = jax.random.uniform(keys[5], (), minval=1 - spec.contrast,
-                                maxval=1 + spec.contrast)
+    factor = jax.random.uniform(keys[5], (), minval=1 - spec.contrast, maxval=1 + spec.contrast)
     mean = jnp.mean(u, axis=(0, 1), keepdims=True)
     u = (u - mean) * factor + mean
   return jnp.clip(u, 0.0, _MAX_U)
 
 
-def augment(key: jax.Array, images: jax.Array,
-            spec: AugmentSpec) -> jax.Array:
-  """Augments every image of a batch independently.
+def augment(key: jax.Array, images: jax.Array, spec: AugmentSpec) -> jax.Array:
+  """Augments every image of normalized images [..., H, W, D] independently.
 
-  Args:
-    key: PRNG key.
-    images: float [..., H, W, D], normalized (x / 128 - 1).
-    spec: strengths (static).
-
-  Returns:
-    float32 [..., H, W, D] in [-1, 0.9921875]; `images` itself when
-    `spec.is_identity`.
+  Returns float32 [..., H, W, D], or `images` itself when `spec.is_identity`.
   """
   if spec.is_identity:
     return images
   shape = images.shape
   flat = images.reshape(-1, *shape[-3:]).astype(jnp.float32)
   keys = jax.random.split(key, flat.shape[0])
-  out = jax.vmap(lambda k, x: _augment_one(k, (x + 1.0) / 2.0, spec))(keys,
-                                                                      flat)
+  out = jax.vmap(lambda k, x: _augment_one(k, (x + 1.0) / 2.0, spec))(keys, flat)
   return (out * 2.0 - 1.0).reshape(shape)
 
 

@@ -1,19 +1,14 @@
 """The config's dataset: its loader, image shape, augmentation and pipeline.
 
-`config.data.dataset`:
-* 'omniglot': `omniglot.py`, 1 channel, all splits in memory (device path);
-  grey, or binarised with data.binarize as the original HT's cache.
-* 'tiered_imagenet': `tiered_imagenet.py`, 3 channels. With
-  data.pipeline='host' the training split is read by the host pipeline
-  (`pipeline.py`) and only the first `data.images_per_class` images of each
-  validation and test class are kept in memory; with 'device' every split
-  is, capped the same way.
-* 'multidomain': `multidomain.py`, 3 channels, all splits in memory, with the
-  class count of each domain per split under the extra key 'domain_sizes'.
+config.data.dataset:
+* 'omniglot': 1 channel, all splits in memory.
+* 'tiered_imagenet': 3 channels; with data.pipeline='host' the training split
+  is read by the host pipeline (`pipeline.py`), and the first
+  `data.images_per_class` images of each other class kept in memory.
+* 'multidomain': 3 channels, all splits in memory, plus 'domain_sizes'.
 
-`config.data.pipeline`: 'device' samples episodes inside the jitted step from
-class images in device memory; 'host' feeds the step batches from a tf.data
-pipeline over the dataset on disk (tieredImageNet only).
+data.pipeline: 'device' samples episodes in the jitted step from class images
+in device memory; 'host' from a tf.data pipeline over the data on disk.
 """
 
 from __future__ import annotations
@@ -40,9 +35,8 @@ def image_shape(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
 
 def augment_spec(config: ml_collections.ConfigDict) -> augment_lib.AugmentSpec:
   a = config.data.augment
-  return augment_lib.AugmentSpec(
-      flip=a.flip, hue=a.hue, brightness=a.brightness, contrast=a.contrast,
-      crop_min_scale=a.crop_min_scale)
+  return augment_lib.AugmentSpec(flip=a.flip, hue=a.hue, brightness=a.brightness,
+                                 contrast=a.contrast, crop_min_scale=a.crop_min_scale)
 
 
 def episode_spec(config: ml_collections.ConfigDict,
@@ -52,35 +46,30 @@ def episode_spec(config: ml_collections.ConfigDict,
       num_tasks=ep.num_tasks, ways=ep.ways, shots=ep.shots,
       queries_per_class=ep.queries_per_class, task_classes=ep.task_classes,
       domain_sizes=tuple(domain_sizes),
-      # Absent from the config.json of runs from before semi-supervision.
+      # .get: absent from the config.json of older runs.
       unlabeled_per_class=ep.get('unlabeled_per_class', 0),
-      # Absent from the config.json of runs from before the option.
       independent_draws=ep.get('independent_draws', False))
 
 
 def _tiered_builder(config):
   from cht_jax.data import tiered_imagenet  # pylint: disable=g-import-not-at-top
   data = config.data
-  return tiered_imagenet.prepare(
-      data.data_dir or None, data.manual_dir or None,
-      tiered_imagenet.SPLIT_CLASSES if data.check_class_counts else None)
+  return tiered_imagenet.prepare(data.data_dir or None, data.manual_dir or None,
+                                 tiered_imagenet.SPLIT_CLASSES if data.check_class_counts else None)
 
 
 def load_dataset(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """{split: uint8 [C, M, S, S, D]} for the splits kept in memory.
 
   With data.pipeline='host' there is no 'train' entry (see `host_batches`);
-  for 'multidomain' the extra key 'domain_sizes' maps each split to the class
-  count of each of its domains.
+  for 'multidomain', 'domain_sizes' maps each split to its domains' class counts.
   """
   data = config.data
   if data.dataset == 'omniglot':
     return omniglot.load_omniglot(
         data_dir=data.data_dir or None, manual_dir=data.manual_dir or None,
         split_scheme=data.split_scheme, split_seed=data.split_seed,
-        image_size=data.image_size,
-        # Absent from the config.json of runs from before the option.
-        binarize=data.get('binarize', False))
+        image_size=data.image_size, binarize=data.get('binarize', False))
   if data.dataset == 'multidomain':
     from cht_jax.data import multidomain  # pylint: disable=g-import-not-at-top
     arrays, sizes = multidomain.load_multidomain(
@@ -90,8 +79,7 @@ def load_dataset(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return {**arrays, 'domain_sizes': sizes}
   from cht_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   builder = _tiered_builder(config)
-  splits = ('validation', 'test') if data.pipeline == 'host' else (
-      'train', 'validation', 'test')
+  splits = ('validation', 'test') if data.pipeline == 'host' else ('train', 'validation', 'test')
   out = {}
   for split in splits:
     source, labels = pipeline.tfds_source(builder, split)
@@ -105,20 +93,18 @@ def host_batches(config: ml_collections.ConfigDict,
                  first_step: int) -> Iterator[dict[str, np.ndarray]]:
   """Training batches of steps first_step, first_step + 1, ... (uint8 images).
 
-  Each is the dict of `episodes.sample_episodes` with this process's share
-  of the train.episodes_per_step episodes (all of them on one host), a
-  function of (config.seed, step, process index).
+  Each is `episodes.sample_episodes`'s dict of this process's share of the
+  train.episodes_per_step episodes, a function of (config.seed, step, process).
   """
   import jax  # pylint: disable=g-import-not-at-top
   from cht_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   if config.data.dataset not in HOST_PIPELINE_DATASETS:
-    raise ValueError(f'data.pipeline=host supports {HOST_PIPELINE_DATASETS}, '
-                     f'not {config.data.dataset!r}.')
+    raise ValueError(
+        f'data.pipeline=host supports {HOST_PIPELINE_DATASETS}, not {config.data.dataset!r}.')
   spec = episode_spec(config)
   source, labels = pipeline.tfds_source(_tiered_builder(config), 'train')
   index = pipeline.class_index(labels, min_images=episodes_lib.images_per_task(spec))
   return pipeline.episode_batches(
-      source, index, spec,
-      config.train.episodes_per_step // jax.process_count(), config.seed,
-      first_step, config.data.image_size, CHANNELS[config.data.dataset],
-      normalize=False, process=jax.process_index())
+      source, index, spec, config.train.episodes_per_step // jax.process_count(), config.seed,
+      first_step, config.data.image_size, CHANNELS[config.data.dataset], normalize=False,
+      process=jax.process_index())

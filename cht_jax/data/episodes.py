@@ -1,32 +1,14 @@
 """On-device sampling of continual few-shot episodes, in pure JAX.
 
-An episode is T tasks; task t is a K-way N-shot support set and Q queries per
-class. Everything here is traceable: `sample_episodes` can run inside `jit`
-(with `spec`, `num_episodes` and `rotate` static), drawing from the class
-images of one split kept on device.
+An episode is T tasks, each a K-way N-shot support set and Q queries per class,
+drawn from the class images [C, M, H, W, D] of one split kept on device. U > 0
+adds 'unlabeled_images': U more images of each class, never a support or query
+image. Samples are class-major: index k * N + n of a task is shot n of label k.
 
-`spec_problems` states what an episode needs of a split, once, for the
-samplers here, the host pipeline and config validation.
-
-Shapes: C classes in the split, M images per class, H x W x D images;
-T = spec.num_tasks, K = spec.ways, N = spec.shots, Q = spec.queries_per_class,
-U = spec.unlabeled_per_class. Samples are class-major: index k * N + n of a
-task is shot n of label k.
-
-Semi-supervised episodes (U > 0) add U unlabeled images of each of a task's
-classes to its support set, under 'unlabeled_images' [T, K*U, H, W, D]: drawn
-from the same classes as the labelled ones, never one of the episode's
-support or query images, and with their labels dropped. With U = 0 the key is
-absent and every array is what it was before unlabeled images existed.
-
-Independent draws (spec.independent_draws, off by default) are the original
-HT's convention (hypertransformer/tf/core/datasets.py,
-`TaskGenerator._make_semisupervised_samples`: one `np.random.choice` without
-replacement per class per batch, the support batch and the query batch drawn
-separately): each task's support images (with its unlabeled ones) and its
-queries are drawn per class each without replacement, independently of each
-other, so a query may be a support image (1-shot: with probability 1/M per
-query). Off, the N + Q + U images of a class in a task are distinct.
+Independent draws (spec.independent_draws) are the original HT's convention
+(hypertransformer/tf/core/datasets.py, `TaskGenerator._make_semisupervised_samples`):
+support (with unlabeled) and queries each drawn without replacement, apart,
+so a query may be a support image. Off, the N + Q + U images are distinct.
 """
 
 from __future__ import annotations
@@ -41,29 +23,17 @@ TASK_CLASSES = ('disjoint', 'same', 'domain')
 
 
 class EpisodeSpec(NamedTuple):
-  """What one episode looks like.
+  """What one episode looks like: T tasks, K ways, N shots, Q queries and U unlabeled per class.
 
   Attributes:
-    num_tasks: T, tasks per episode.
-    ways: K, classes per task.
-    shots: N, support images per class.
-    queries_per_class: Q, query images per class.
-    task_classes: 'disjoint': the T*K classes of an episode are distinct
-      ("lifelong"); 'same': every task has the same K classes, with new images
-      drawn for each task ("mini-batch" learning); 'domain': each task draws
-      its K classes from its own domain, the T domains of an episode distinct
-      and drawn at random ("multi-domain").
-    domain_sizes: for 'domain': the number of classes of each domain; the
-      class images hold domain 0's classes first, then domain 1's, and so on.
-    unlabeled_per_class: U, unlabeled support images per class (0: a fully
-      labelled support set, as in the paper).
-    independent_draws: False: the N + Q + U images of a class in a task are
-      distinct (and, with task_classes='same', in different tasks too). True:
-      the original HT's draws, the support (and unlabeled) images and the
-      queries of each task drawn apart, so a query may repeat a support image;
-      with task_classes='same' each task draws anew, and images may repeat
-      across tasks. For `sample_evaluation_episode`, True is the original HT's
-      test sampler: each query draw from all M images of a class.
+    task_classes: 'disjoint': the T*K classes are distinct ("lifelong");
+      'same': every task has the same K classes, new images each task
+      ("mini-batch"); 'domain': each task's K classes from its own domain, the
+      T domains distinct ("multi-domain").
+    domain_sizes: for 'domain': the class count of each domain, whose classes
+      come in domain order in the class images.
+    independent_draws: the original HT's draws (module docstring); with 'same',
+      each task draws anew, so images may repeat across tasks.
   """
   num_tasks: int
   ways: int
@@ -77,13 +47,7 @@ class EpisodeSpec(NamedTuple):
 
 def validate_spec(spec: EpisodeSpec, class_images_shape: tuple[int, ...],
                   rotate: bool = False) -> None:
-  """Raises ValueError if `spec` cannot be sampled from the class images.
-
-  Args:
-    spec: the episode spec.
-    class_images_shape: (C, M, H, W, D).
-    rotate: whether rotation augmentation is on (needs H == W).
-  """
+  """Raises ValueError if `spec` cannot be sampled from class images (C, M, H, W, D)."""
   if len(class_images_shape) != 5:
     raise ValueError('class_images must be [classes, images, H, W, channels],'
                      f' got shape {tuple(class_images_shape)}.')
@@ -100,24 +64,10 @@ def spec_problems(spec: EpisodeSpec, num_classes: int | None = None,
                   images: str | None = None, remedy: str = '') -> list[str]:
   """What keeps episodes of `spec` from being drawn from a split; [] if nothing.
 
-  The one statement of these rules: `validate_spec` applies them to the class
-  images at hand, config validation to the class counts a config implies
-  before any data is read (cht_jax/config_validation.py), each with its own
-  remedy. Counts passed as None are not checked.
-
-  Args:
-    spec: the episode spec; for task_classes='domain' its domain_sizes are
-      the split's.
-    num_classes: C, the split's classes.
-    images_per_class: M, the images of each class.
-    split: the split's name in the messages, e.g. "the 'train' split of
-      data.split_scheme='ht'".
-    images: what the messages say there is instead of the images needed,
-      e.g. 'Omniglot has 20 per class'; default: `split` has only M.
-    remedy: what to do about the problems, ending each after a colon.
-
-  Returns:
-    One sentence per problem, naming the episode.* fields that need more.
+  The one statement of these rules, for `validate_spec` and config validation;
+  counts passed as None are not checked. `split` names the split in the
+  messages, `images` what it has instead (default: `split` has only M), and
+  `remedy` follows each problem after a colon. Returns one sentence per problem.
   """
   found = _field_problems(spec)
   if not found:  # The counts need valid fields.
@@ -157,11 +107,7 @@ def _class_problems(spec: EpisodeSpec, num_classes: int, split: str) -> list[str
 
 
 def _domain_problems(spec: EpisodeSpec, num_classes: int, split: str) -> list[str]:
-  """'domain' needs T domains, each of at least K classes.
-
-  `_draw_domain_classes` draws T distinct domains, any of the split's, then K
-  classes in each.
-  """
+  """'domain' needs T domains, each of at least K classes (`_draw_domain_classes`)."""
   sizes = tuple(spec.domain_sizes)
   if sum(sizes) != num_classes or min(sizes, default=1) < 1:
     return [f"episode.task_classes='domain' needs domain_sizes, the positive class count "
@@ -212,11 +158,8 @@ def images_per_task(spec: EpisodeSpec) -> int:
 def images_per_class_needed(spec: EpisodeSpec) -> int:
   """Images each class of an episode must have.
 
-  N + Q + U; with the same classes in every task (task_classes='same'),
-  T * (N + Q + U): no image is in two tasks, so no query of one task is a
-  support image of another and no support batch repeats another (the
-  mini-batch setting). With independent draws max(N + U, Q): each of the two
-  draws is without replacement on its own.
+  N + Q + U; T * (N + Q + U) with task_classes='same' (no image in two tasks);
+  max(N + U, Q) with independent draws.
   """
   if spec.independent_draws:
     return max(spec.shots + spec.unlabeled_per_class, spec.queries_per_class)
@@ -229,15 +172,7 @@ def normalize(images_uint8: jax.Array) -> jax.Array:
 
 
 def rotate90(images: jax.Array, k: jax.Array) -> jax.Array:
-  """Rotates square images by k * 90 degrees counter-clockwise.
-
-  Args:
-    images: [..., S, H, W, D] with H == W; the rotation is shared along S.
-    k: int [...], number of quarter turns (taken mod 4).
-
-  Returns:
-    [..., S, H, W, D], rotated; no Python branching on `k`.
-  """
+  """Rotates images [..., S, H, W, D] (H == W) by k [...] ccw quarter turns, shared along S."""
   k = (k % 4)[..., None, None, None, None]
   out = images
   for i in range(1, 4):
@@ -245,19 +180,16 @@ def rotate90(images: jax.Array, k: jax.Array) -> jax.Array:
   return out
 
 
-def _random_subset(key: jax.Array, shape: tuple[int, ...], population: int,
-                   size: int) -> jax.Array:
+def _random_subset(key: jax.Array, shape: tuple[int, ...], population: int, size: int) -> jax.Array:
   """int32 [*shape, size]: distinct indices in [0, population), random order.
 
-  Sampling without replacement as the top-`size` of i.i.d. uniform scores
-  (`lax.top_k`), several times faster on CPU than `jax.random.permutation`.
+  The top-`size` of uniform scores: faster on CPU than `jax.random.permutation`.
   """
   scores = jax.random.uniform(key, (*shape, population))
   return jax.lax.top_k(scores, size)[1].astype(jnp.int32)
 
 
-def _draw_classes(key: jax.Array, num_classes: int,
-                  spec: EpisodeSpec) -> jax.Array:
+def _draw_classes(key: jax.Array, num_classes: int, spec: EpisodeSpec) -> jax.Array:
   """Class ids int32 [T, K] of one episode."""
   if spec.task_classes == 'disjoint':
     ids = _random_subset(key, (), num_classes, spec.num_tasks * spec.ways)
@@ -279,27 +211,20 @@ def _draw_domain_classes(key: jax.Array, spec: EpisodeSpec) -> jax.Array:
   offsets = jnp.asarray(domain_offsets(spec.domain_sizes)[:-1])
   domain_key, class_key = jax.random.split(key)
   domains = _random_subset(domain_key, (), len(sizes), spec.num_tasks)  # [T]
-  # Top-K of uniform scores over the largest domain, classes past the
-  # domain's size scored -1 (never drawn: K <= every domain's size).
+  # Top-K of uniform scores, classes past the domain's size scored -1 (never drawn).
   scores = jax.random.uniform(class_key, (spec.num_tasks, int(sizes.max())))
   valid = jnp.arange(int(sizes.max())) < jnp.asarray(sizes)[domains][:, None]
   ids = jax.lax.top_k(jnp.where(valid, scores, -1.0), spec.ways)[1]
   return (ids + offsets[domains][:, None]).astype(jnp.int32)
 
 
-def _draw_images(key: jax.Array, num_images: int,
-                 spec: EpisodeSpec) -> jax.Array:
-  """Image ids int32 [T, K, N+Q+U]: distinct within each (task, class), and
-  within each class across tasks when the tasks share their classes; with
-  spec.independent_draws, the N + U support ids and the Q query ids distinct
-  each, drawn apart (every task anew)."""
+def _draw_images(key: jax.Array, num_images: int, spec: EpisodeSpec) -> jax.Array:
+  """Image ids int32 [T, K, N+Q+U], distinct per class (across tasks for 'same')."""
   t, k, per_task = spec.num_tasks, spec.ways, images_per_task(spec)
   if spec.independent_draws:
-    # The original HT draws its support batch and its query batch with one
-    # np.random.choice each (hypertransformer/tf/core/datasets.py,
-    # TaskGenerator._images_labels).
-    # Two independent subsets per (task, class), as the first N + U and the
-    # first Q of two random orders (one top_k for both).
+    # The original HT draws support and query batches with one np.random.choice
+    # each (hypertransformer/tf/core/datasets.py, TaskGenerator._images_labels):
+    # here the first N + U and the first Q of two random orders.
     n, u, q = spec.shots, spec.unlabeled_per_class, spec.queries_per_class
     orders = _random_subset(key, (t, k, 2), num_images, max(n + u, q))
     support, queries = orders[..., 0, :n + u], orders[..., 1, :q]
@@ -325,14 +250,9 @@ def _labels(spec: EpisodeSpec, per_class: int) -> jax.Array:
 
 def sample_episode(key: jax.Array, class_images: jax.Array, spec: EpisodeSpec,
                    rotate: bool) -> dict[str, jax.Array]:
-  """Samples one continual few-shot episode.
+  """Samples one continual few-shot episode from uint8 class_images [C, M, H, W, D].
 
-  Args:
-    key: PRNG key.
-    class_images: uint8 [C, M, H, W, D], the images of one split.
-    spec: the episode spec (static).
-    rotate: if True (training), each class of each task is rotated by its own
-      random multiple of 90 degrees, the same for its support and queries.
+  With `rotate` (training), each class of each task gets its own random quarter turns.
 
   Returns:
     'support_images': float32 [T, K*N, H, W, D], normalized (x / 128 - 1);
@@ -340,9 +260,7 @@ def sample_episode(key: jax.Array, class_images: jax.Array, spec: EpisodeSpec,
     'query_images': float32 [T, K*Q, H, W, D];
     'query_labels': int32 [T, K*Q];
     'class_ids': int32 [T, K], the split's class index of each label;
-    with spec.unlabeled_per_class = U > 0, 'unlabeled_images': float32
-    [T, K*U, H, W, D], U more images of each class (class-major, labels
-    dropped), rotated with their class.
+    with U > 0, 'unlabeled_images': float32 [T, K*U, H, W, D].
   """
   validate_spec(spec, class_images.shape, rotate)
   if class_images.dtype != jnp.uint8:
@@ -369,65 +287,32 @@ def sample_episode(key: jax.Array, class_images: jax.Array, spec: EpisodeSpec,
   return episode
 
 
-def sample_episodes(key: jax.Array, class_images: jax.Array,
-                    spec: EpisodeSpec, num_episodes: int,
-                    rotate: bool) -> dict[str, jax.Array]:
-  """Samples B = num_episodes independent episodes (vmap of sample_episode).
+def sample_episodes(key: jax.Array, class_images: jax.Array, spec: EpisodeSpec,
+                    num_episodes: int, rotate: bool) -> dict[str, jax.Array]:
+  """`sample_episode`'s dict for B = num_episodes episodes, with a leading axis B.
 
-  Jit with `spec`, `num_episodes` and `rotate` static, e.g.
-  `jax.jit(sample_episodes, static_argnums=(2, 3, 4))`.
-
-  Args:
-    key: PRNG key.
-    class_images: uint8 [C, M, H, W, D].
-    spec: the episode spec.
-    num_episodes: B.
-    rotate: rotation augmentation (see `sample_episode`).
-
-  Returns:
-    The dict of `sample_episode` with a leading axis B on every entry.
+  Jit as `jax.jit(sample_episodes, static_argnums=(2, 3, 4))`.
   """
   validate_spec(spec, np.shape(class_images), rotate)
   keys = jax.random.split(key, num_episodes)
-  return jax.vmap(lambda k: sample_episode(k, class_images, spec, rotate))(
-      keys)
+  return jax.vmap(lambda k: sample_episode(k, class_images, spec, rotate))(keys)
 
 
-def sample_evaluation_episode(key: jax.Array, class_images: jax.Array,
-                              spec: EpisodeSpec,
+def sample_evaluation_episode(key: jax.Array, class_images: jax.Array, spec: EpisodeSpec,
                               num_query_draws: int) -> dict[str, jax.Array]:
   """One evaluation episode: a fixed support set and R query draws (no augmentation).
 
-  The paper's protocol (section 5) runs every episode R times with
-  different query samples on the same support set. Each draw takes
-  Q = spec.queries_per_class images per class from the M - N - U images that
-  are not in the support set (nor among its U unlabeled images): distinct
-  within a draw, never a support image, but draws may overlap each other.
-  The unlabeled images, like the support set, are the same for every draw.
-
-  With spec.independent_draws, the original HT's test sampler
-  (hypertransformer/tf/core/evaluation_lib.py, `evaluate_dataset`: the
-  support batch is kept while each of its `num_eval_batches` query batches is
-  drawn anew by `TaskGenerator._images_labels`): each draw takes Q distinct
-  images per class from all M, so a query may be a support image. The
-  classes, the support set and the random numbers are those of the strict
-  draws ('disjoint' and 'domain' classes: the same support images; only the
-  queries differ), so the two protocols compare on paired episodes.
-
-  Args:
-    key: PRNG key.
-    class_images: uint8 [C, M, H, W, D], the images of one split.
-    spec: the episode spec (static); needs N + Q + U <= M (independent
-      draws: N + U <= M and Q <= M).
-    num_query_draws: R (static).
+  The paper's protocol (section 5) runs every episode R times with different
+  query samples on the same support set. Each draw takes Q distinct images per
+  class from the M - N - U not in the support (or unlabeled) set; draws may
+  overlap. With spec.independent_draws, the original HT's test sampler
+  (hypertransformer/tf/core/evaluation_lib.py, `evaluate_dataset`): from all
+  M. Both use the same random numbers, so they compare on paired episodes
+  ('disjoint' and 'domain': the same support images).
 
   Returns:
-    'support_images': float32 [T, K*N, H, W, D], normalized;
-    'support_labels': int32 [T, K*N];
-    'query_images': float32 [R, T, K*Q, H, W, D];
-    'query_labels': int32 [T, K*Q], the same for every draw;
-    'class_ids': int32 [T, K];
-    with U > 0, 'unlabeled_images': float32 [T, K*U, H, W, D].
+    `sample_episode`'s dict for uint8 class_images [C, M, H, W, D], but with
+    'query_images' float32 [R, T, K*Q, H, W, D], R = num_query_draws (static).
   """
   validate_spec(spec, class_images.shape)
   if num_query_draws < 1:
@@ -441,13 +326,11 @@ def sample_evaluation_episode(key: jax.Array, class_images: jax.Array,
     support_ids = _random_subset(support_key, (t, k), num_images, n + spec.unlabeled_per_class)
   else:
     support_ids = _draw_images(support_key, num_images, spec._replace(queries_per_class=0))
-  # Each draw: the top-Q of uniform scores, with the support (and unlabeled)
-  # images scored -1 (those of every task that has the class, with
-  # task_classes='same'); with independent draws, of all M.
+  # Each draw: the top-Q of uniform scores, support (and unlabeled) images scored
+  # -1 (of every task, for 'same'); with independent draws, of all M.
   scores = jax.random.uniform(query_key, (num_query_draws, t, k, num_images))
   if not spec.independent_draws:
-    in_support = jnp.any(
-        support_ids[..., None] == jnp.arange(num_images), axis=-2)  # [T, K, M]
+    in_support = jnp.any(support_ids[..., None] == jnp.arange(num_images), axis=-2)  # [T, K, M]
     if spec.task_classes == 'same':
       in_support = jnp.broadcast_to(jnp.any(in_support, axis=0), in_support.shape)
     scores = jnp.where(in_support, -1.0, scores)
@@ -458,12 +341,10 @@ def sample_evaluation_episode(key: jax.Array, class_images: jax.Array,
   episode = {
       'support_images': gather(support_ids[..., :n]).reshape(t, k * n, height, width, depth),
       'support_labels': _labels(spec, n),
-      'query_images': queries.reshape(num_query_draws, t, k * q, height, width,
-                                      depth),
+      'query_images': queries.reshape(num_query_draws, t, k * q, height, width, depth),
       'query_labels': _labels(spec, q),
       'class_ids': class_ids,
   }
   if spec.unlabeled_per_class:
-    episode['unlabeled_images'] = gather(support_ids[..., n:]).reshape(
-        t, -1, height, width, depth)
+    episode['unlabeled_images'] = gather(support_ids[..., n:]).reshape(t, -1, height, width, depth)
   return episode

@@ -1,19 +1,14 @@
 """Multi-domain episodes: six TFDS datasets, one image size, per-domain class splits.
 
-The paper's "Learning from tasks across multiple domains": each task of a
-multi-domain episode comes from its own domain, one of Omniglot, Caltech101,
-CaltechBirds2011, Cars196, OxfordFlowers102 and StanfordDogs (TFDS names below).
-For every domain all its TFDS splits are read and pooled (few-shot splits are
-over classes, not over TFDS's example splits), every image is resized bilinearly
-to S x S (ignoring the aspect ratio, as Meta-Dataset does) with D channels (gray
-repeated to RGB, or RGB to gray), and the domain's classes are split into train
-/ validation / test by fractions, with a permutation drawn from
-`default_rng([split_seed, d])` for the domain's position d in `DOMAINS`. Each
-class keeps its first M images in TFDS order; classes with fewer are dropped.
+The paper's "Learning from tasks across multiple domains": each task comes from
+its own domain. Every domain's TFDS splits are pooled, images resized
+bilinearly to S x S (ignoring the aspect ratio, as Meta-Dataset does) with D
+channels, and its classes split by fractions with a permutation from
+`default_rng([split_seed, d])`, d its position in `DOMAINS`. Each class keeps
+its first M images; classes with fewer are dropped.
 
-The result is, per split, one uint8 array [C, M, S, S, D] with the classes of
-the first domain first, and the class count of each domain (`domain_sizes`),
-what `episodes.EpisodeSpec(task_classes='domain', domain_sizes=...)` samples.
+Per split: uint8 [C, M, S, S, D], domain by domain, and the class count of
+each domain, for `episodes.EpisodeSpec(task_classes='domain', domain_sizes=...)`.
 """
 
 from __future__ import annotations
@@ -25,19 +20,16 @@ import numpy as np
 
 from cht_jax.data import omniglot
 
-DOMAINS = ('omniglot', 'caltech101', 'caltech_birds2011', 'cars196',
-           'oxford_flowers102', 'stanford_dogs')
+DOMAINS = ('omniglot', 'caltech101', 'caltech_birds2011', 'cars196', 'oxford_flowers102',
+           'stanford_dogs')
 NUM_CLASSES = {'omniglot': 1623, 'caltech101': 102, 'caltech_birds2011': 200,
                'cars196': 196, 'oxford_flowers102': 102, 'stanford_dogs': 120}
-# The TFDS splits holding each image once (omniglot's small1/small2 repeat
-# background images).
-TFDS_SPLITS = {'omniglot': ('train', 'test'),
-               'oxford_flowers102': ('train', 'validation', 'test')}
+# The TFDS splits holding each image once (omniglot's small1/small2 repeat background images).
+TFDS_SPLITS = {'omniglot': ('train', 'test'), 'oxford_flowers102': ('train', 'validation', 'test')}
 SPLITS = ('train', 'validation', 'test')
 
 
-def split_sizes(num_classes: int,
-                fractions: Sequence[float]) -> tuple[int, int, int]:
+def split_sizes(num_classes: int, fractions: Sequence[float]) -> tuple[int, int, int]:
   """Classes of (train, validation, test): rounded fractions, test the rest."""
   n_train = int(round(fractions[0] * num_classes))
   n_val = int(round(fractions[1] * num_classes))
@@ -47,8 +39,7 @@ def split_sizes(num_classes: int,
 def class_split(class_ids: Sequence[int], fractions: Sequence[float],
                 split_seed: int, domain: int) -> dict[str, np.ndarray]:
   """Splits one domain's class ids by fractions, with its own seeded shuffle."""
-  ids = np.random.default_rng([split_seed, domain]).permutation(
-      np.asarray(class_ids, np.int64))
+  ids = np.random.default_rng([split_seed, domain]).permutation(np.asarray(class_ids, np.int64))
   n_train, n_val, _ = split_sizes(len(ids), fractions)
   return {'train': ids[:n_train], 'validation': ids[n_train:n_train + n_val],
           'test': ids[n_train + n_val:]}
@@ -80,9 +71,8 @@ def read_domain(builder, image_size: int, channels: int,
     if image.shape[-1] != channels:
       image = (tf.image.grayscale_to_rgb(image[..., :1]) if channels == 3
                else tf.image.rgb_to_grayscale(image[..., :3]))
-    image = tf.image.resize(tf.cast(image, tf.float32),
-                            (image_size, image_size), method='bilinear',
-                            antialias=True)
+    image = tf.image.resize(tf.cast(image, tf.float32), (image_size, image_size),
+                            method='bilinear', antialias=True)
     image = tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
     return image, example['label']
 
@@ -90,43 +80,32 @@ def read_domain(builder, image_size: int, channels: int,
   for split in splits:
     ds = builder.as_dataset(split=split, shuffle_files=False)
     ds = ds.map(convert, num_parallel_calls=tf.data.AUTOTUNE).batch(512)
-    for batch_images, batch_labels in ds.prefetch(tf.data.AUTOTUNE
-                                                  ).as_numpy_iterator():
+    for batch_images, batch_labels in ds.prefetch(tf.data.AUTOTUNE).as_numpy_iterator():
       images.append(batch_images)
       labels.append(batch_labels)
   if not images:
-    return (np.zeros((0, image_size, image_size, channels), np.uint8),
-            np.zeros((0,), np.int64))
+    return np.zeros((0, image_size, image_size, channels), np.uint8), np.zeros((0,), np.int64)
   return np.concatenate(images), np.concatenate(labels).astype(np.int64)
 
 
 def load_multidomain(
-    data_dir: str | None,
-    manual_dir: str | None = None,
-    domains: Sequence[str] = DOMAINS,
-    fractions: Sequence[float] = (0.7, 0.15, 0.15),
-    split_seed: int = 2022,
-    image_size: int = 84,
-    channels: int = 3,
-    images_per_class: int = 20,
+    data_dir: str | None, manual_dir: str | None = None, domains: Sequence[str] = DOMAINS,
+    fractions: Sequence[float] = (0.7, 0.15, 0.15), split_seed: int = 2022,
+    image_size: int = 84, channels: int = 3, images_per_class: int = 20,
 ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, ...]]]:
   """Loads the domains, preparing them with TFDS if needed.
 
   Args:
     data_dir: TFDS data dir (None: TFDS's default).
     manual_dir: folder of the Omniglot archives (see omniglot.py).
-    domains: TFDS names, a subset of `DOMAINS` in any order (the order of
-      the domains in the arrays).
+    domains: a subset of `DOMAINS`, in the order of the arrays.
     fractions: (train, validation, test) fractions of each domain's classes.
     split_seed: seed of the class splits.
-    image_size: S.
-    channels: D (3: gray images repeated; 1: RGB to gray).
-    images_per_class: M.
+    image_size, channels, images_per_class: S, D (3: gray repeated; 1: RGB to gray), M.
 
   Returns:
-    ({split: uint8 [C_split, M, S, S, D]}, {split: domain_sizes}), the
-    classes of domain 0 first; a domain with no class in a split is left out
-    of that split's domain_sizes.
+    ({split: uint8 [C_split, M, S, S, D]}, {split: domain_sizes}); a domain
+    with no class in a split is left out of that split's domain_sizes.
 
   Raises:
     DataError: a dataset cannot be prepared or read.
@@ -134,8 +113,7 @@ def load_multidomain(
   unknown = [d for d in domains if d not in DOMAINS]
   if unknown:
     raise ValueError(f'Unknown domains {unknown}; expected some of {DOMAINS}.')
-  arrays = {s: [] for s in SPLITS}
-  sizes = {s: [] for s in SPLITS}
+  arrays, sizes = {s: [] for s in SPLITS}, {s: [] for s in SPLITS}
   for name in domains:
     builder = _prepare(name, data_dir, manual_dir)
     images, labels = read_domain(builder, image_size, channels,
@@ -147,10 +125,9 @@ def load_multidomain(
     for s in SPLITS:
       arrays[s].append(class_images[[rows[int(c)] for c in split[s]]])
       sizes[s].append(len(split[s]))
-    logging.info('Domain %s: %d images, %d classes with >= %d images, split '
-                 '%s.', name, len(labels), len(class_ids), images_per_class,
-                 [len(split[s]) for s in SPLITS])
-  out = {s: np.concatenate(arrays[s]) if arrays[s] else np.zeros(
-      (0, images_per_class, image_size, image_size, channels), np.uint8)
+    logging.info('Domain %s: %d images, %d classes with >= %d images, split %s.', name,
+                 len(labels), len(class_ids), images_per_class, [len(split[s]) for s in SPLITS])
+  empty = (0, images_per_class, image_size, image_size, channels)
+  out = {s: np.concatenate(arrays[s]) if arrays[s] else np.zeros(empty, np.uint8)
          for s in SPLITS}
   return out, {s: tuple(n for n in sizes[s] if n) for s in SPLITS}

@@ -1,29 +1,17 @@
 """Omniglot through the stock TFDS `omniglot` builder, with class splits.
 
-Two entry points:
+* `prepare_omniglot` prepares TFDS `omniglot` 3.0.0 in `data_dir`, offline from
+  the four archives when at hand (checked against TFDS's registered checksums
+  or a `SHA256SUMS` file beside them), else by the normal TFDS download.
+* `load_omniglot` returns uint8 [C, 20, H, W, 1] per split, cached as `.npz`
+  under `<data_dir>/cht_jax_cache/`: grey, or with `binarize=True` 0 and 255
+  as the original HT's NumPy cache holds them (see `binarize_images`).
 
-* `prepare_omniglot(data_dir, manual_dir)` makes sure the TFDS `omniglot`
-  dataset (version 3.0.0) is prepared in `data_dir`, offline from the four
-  archives when they are at hand (checked against TFDS's registered checksums
-  or, for rebuilt archives, against a `SHA256SUMS` file beside them), else by
-  the normal TFDS download.
-* `load_omniglot(...)` returns uint8 arrays `[C, 20, H, W, 1]` per split
-  ('train', 'validation', 'test'), cached as a compressed `.npz` under
-  `<data_dir>/cht_jax_cache/`: the grey values of the resize, or with
-  `binarize=True` (config.data.binarize) two values, 0 and 255, as the
-  original HT's NumPy cache holds them (see `binarize_images`).
+Class ids are TFDS's `label`, a global id from the file names (`XXXX_YY.png`):
+the 964 background characters are 0..963, the 659 evaluation ones 964..1622,
+in the original release's order, not the alphabetical order of the alphabets.
 
-Class ids are TFDS's `label` feature, which is already a global id 0..1622:
-TFDS takes it from the Omniglot file names (`XXXX_YY.png`, XXXX = 1-based
-character number of the original release), so the 964 background characters
-are 0..963 and the 659 evaluation characters 964..1622. Within a set the
-numbering is the original release's, which is *not* the alphabetical order of
-the alphabet folders (e.g. `Alphabet_of_the_Magi` is 708..727). The loader
-checks this (background labels < 964 <= evaluation labels).
-
-The first of the data loaders, this module also holds what all of them share
-(multidomain.py, tiered_imagenet.py, pipeline.py): `DataError`, and
-`download_and_prepare`, their one way to have TFDS prepare a dataset.
+Also holds what all data loaders share: `DataError` and `download_and_prepare`.
 """
 
 from __future__ import annotations
@@ -66,30 +54,17 @@ class DataError(RuntimeError):
   """The data is missing, corrupt, or not what the loader expects."""
 
 
-# --------------------------------------------------------------------------
-# Class splits.
-# --------------------------------------------------------------------------
-
-
-def class_split(
-    split_scheme: str = 'ht', split_seed: int = 2022
-) -> dict[str, np.ndarray]:
-  """Returns the global class ids (TFDS `label`) of each split, in order.
+def class_split(split_scheme: str = 'ht', split_seed: int = 2022) -> dict[str, np.ndarray]:
+  """Returns {'train', 'validation', 'test'} -> int64 [C_split] global class ids.
 
   Args:
-    split_scheme: 'ht': HyperTransformer's split. The ids 0..1622 in one list,
-      shuffled with `random.Random(split_seed).shuffle` (the same permutation as
-      `random.seed(split_seed); random.shuffle(ids)`); ids[0:1150] are train,
-      ids[1150:1200] validation, ids[1200:1623] test. 'alphabet': the usual
-      background/evaluation protocol. The 964 background classes (ids 0..963,
-      30 alphabets) are train except the last 50 ids (914..963) which are
-      validation; the 659 evaluation classes (ids 964..1622, 20 alphabets) are
-      test. The 50 validation ids are the last in the original numbering, not
-      whole alphabets; `split_seed` is unused.
+    split_scheme: 'ht': HyperTransformer's split, ids 0..1622 shuffled by
+      `random.Random(split_seed).shuffle` (as `random.seed(split_seed);
+      random.shuffle(ids)`), then 1150 train, 50 validation, 423 test.
+      'alphabet': background/evaluation; background ids 0..913 train, the
+      last 50 (914..963, not whole alphabets) validation, evaluation ids
+      964..1622 test; `split_seed` unused.
     split_seed: seed of the 'ht' shuffle.
-
-  Returns:
-    {'train', 'validation', 'test'} -> int64 [C_split] class ids.
   """
   if split_scheme == 'ht':
     ids = list(range(NUM_CLASSES))
@@ -101,15 +76,8 @@ def class_split(
     parts = (range(n_train), range(n_train, NUM_BACKGROUND_CLASSES),
              range(NUM_BACKGROUND_CLASSES, NUM_CLASSES))
   else:
-    raise ValueError(
-        f'data.split_scheme must be one of {SPLIT_SCHEMES}, got '
-        f'{split_scheme!r}.')
+    raise ValueError(f'data.split_scheme must be one of {SPLIT_SCHEMES}, got {split_scheme!r}.')
   return {name: np.asarray(p, np.int64) for name, p in zip(SPLITS, parts)}
-
-
-# --------------------------------------------------------------------------
-# Preparation.
-# --------------------------------------------------------------------------
 
 
 def _sha256(path: str) -> tuple[str, int]:
@@ -145,17 +113,8 @@ def error_summary(error: Exception) -> str:
 def download_and_prepare(builder, failure: str, fix: str, **kwargs) -> None:
   """`builder.download_and_prepare(**kwargs)`, its failure a one-paragraph DataError.
 
-  The data modules' one way to have TFDS prepare a dataset. TFDS fails with
-  whatever its downloads, extraction or files raise, often pages long; the
-  run instead stops on `failure`, the error's first line and `fix`. A
-  DataError of our own builders already says what to do and passes as it is.
-
-  Args:
-    builder: the TFDS builder.
-    failure: what could not be done, e.g. "Could not prepare the TFDS dataset
-      'cars196' in /data".
-    fix: what to do about it, one or more sentences.
-    **kwargs: for `builder.download_and_prepare`.
+  TFDS errors are often pages long; this raises `failure (first line). fix`
+  instead. A DataError of our own builders passes as it is.
   """
   try:
     builder.download_and_prepare(**kwargs)
@@ -166,26 +125,17 @@ def download_and_prepare(builder, failure: str, fix: str, **kwargs) -> None:
 
 
 def _fix_hint(folder: str) -> str:
-  return (
-      f'Put the four Omniglot archives ({", ".join(ARCHIVES)}) from '
-      f'{_UPSTREAM_URL} (or a checked offline copy with its {SUMS_FILENAME}) '
-      f'in {folder}, or point the config field `data.manual_dir` at a folder '
-      'that has them.')
+  return (f'Put the four Omniglot archives ({", ".join(ARCHIVES)}) from {_UPSTREAM_URL} (or a '
+          f'checked offline copy with its {SUMS_FILENAME}) in {folder}, or point the config '
+          'field `data.manual_dir` at a folder that has them.')
 
 
 def _verified_url_infos(folder: str, registered: dict) -> dict:
-  """Checks the archives in `folder`; returns TFDS url_infos matching them.
-
-  Args:
-    folder: folder with the four archives.
-    registered: TFDS's registered url_infos of the stock builder.
-
-  Returns:
-    url -> `UrlInfo` of the file actually in `folder`, for each archive.
+  """Checks the archives in `folder`; returns url -> `UrlInfo` of each file there.
 
   Raises:
     DataError: an archive is missing, or its sha256 matches neither TFDS's
-      registered checksum nor the one in `<folder>/SHA256SUMS`.
+      registered one (`registered`: the stock url_infos) nor `SHA256SUMS`'s.
   """
   from tensorflow_datasets.core.download import checksums  # pylint: disable=g-import-not-at-top
   from tensorflow_datasets.core import utils as tfds_utils  # pylint: disable=g-import-not-at-top
@@ -193,10 +143,9 @@ def _verified_url_infos(folder: str, registered: dict) -> dict:
   missing = [a for a in ARCHIVES if not os.path.isfile(os.path.join(folder, a))]
   if missing:
     raise DataError(
-        f'Omniglot archive(s) {", ".join(missing)} missing from {folder} '
-        f'(found only {sorted(set(ARCHIVES) - set(missing))}); all four are '
-        f'needed to prepare the TFDS `omniglot` dataset offline. '
-        + _fix_hint(folder))
+        f'Omniglot archive(s) {", ".join(missing)} missing from {folder} (found only '
+        f'{sorted(set(ARCHIVES) - set(missing))}); all four are needed to prepare the TFDS '
+        '`omniglot` dataset offline. ' + _fix_hint(folder))
   by_name = {info.filename or os.path.basename(url): (url, info)
              for url, info in registered.items()}
   sums = _read_sums(folder)
@@ -214,13 +163,11 @@ def _verified_url_infos(folder: str, registered: dict) -> dict:
       expected = ' or '.join(f'{h} ({why})' for h, why in trusted.items()) or (
           f'a checksum listed in {folder}/{SUMS_FILENAME} (none found)')
       raise DataError(
-          f'Omniglot archive {name} in {folder} has sha256 {sha} ({size} '
-          f'bytes), expected {expected}. The file is corrupt, truncated or a '
-          f'different version: replace it with a fresh copy. '
-          + _fix_hint(folder))
+          f'Omniglot archive {name} in {folder} has sha256 {sha} ({size} bytes), expected '
+          f'{expected}. The file is corrupt, truncated or a different version: replace it '
+          'with a fresh copy. ' + _fix_hint(folder))
     logging.info('Omniglot archive %s: sha256 ok (%s).', name, trusted[sha])
-    url_infos[url] = checksums.UrlInfo(
-        size=tfds_utils.Size(size), checksum=sha, filename=name)
+    url_infos[url] = checksums.UrlInfo(size=tfds_utils.Size(size), checksum=sha, filename=name)
   return url_infos
 
 
@@ -256,27 +203,17 @@ def _unreachable(urls: Sequence[str]) -> str | None:
 
 
 def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
-  """Makes sure the TFDS `omniglot` dataset is prepared in `data_dir`.
+  """Makes sure the TFDS `omniglot` dataset is prepared in `data_dir` (None: default).
 
-  Nothing happens if it already is. Otherwise the four archives are looked for
-  in `manual_dir` (when given), then in `<data_dir>/downloads/manual/`. In the
-  first of these folders that has any of them, all four must be, each matching
-  TFDS's registered sha256 or the one listed in a `SHA256SUMS` file beside it
-  (a rebuilt archive); the dataset is then prepared offline (no GCS, no
-  network) by a subclass of the stock builder whose `url_infos` are those of
-  the checked files, and the stock builder reads the result. If no folder has
-  any archive, the normal TFDS download is tried, unless neither the upstream
-  server nor TFDS's GCS bucket answers a HEAD request within seconds: then
-  this fails at once (TFDS itself would retry for minutes).
-
-  Args:
-    data_dir: TFDS data dir; None for TFDS's default (~/tensorflow_datasets or
-      $TFDS_DATA_DIR).
-    manual_dir: folder with the four archives, or None.
+  The archives are looked for in `manual_dir`, then `<data_dir>/downloads/manual/`.
+  The first folder with any must have all four, each with a known sha256; it is
+  then prepared offline by a subclass of the stock builder with their
+  `url_infos`. With none, TFDS downloads, unless neither the upstream server
+  nor TFDS's GCS bucket answers a HEAD request: then this fails at once
+  (TFDS would retry for minutes).
 
   Raises:
-    DataError: an archive is missing or has a wrong checksum, or the download
-      failed.
+    DataError: an archive is missing or corrupt, or the download failed.
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
@@ -288,8 +225,7 @@ def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
   folders = [os.path.join(root, 'downloads', 'manual')]
   if manual_dir:
     folders.insert(0, os.path.expanduser(manual_dir))
-  found = [f for f in folders
-           if any(os.path.isfile(os.path.join(f, a)) for a in ARCHIVES)]
+  found = [f for f in folders if any(os.path.isfile(os.path.join(f, a)) for a in ARCHIVES)]
   folder = found[0] if found else folders[0]
   start = time.time()
   if found:
@@ -298,8 +234,7 @@ def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
     offline = _offline_builder(data_dir, url_infos)
     # Extract into a fresh scratch folder, removed afterwards (32k PNGs).
     os.makedirs(os.path.join(root, 'downloads'), exist_ok=True)
-    extract_dir = tempfile.mkdtemp(
-        prefix='cht_jax_extract_', dir=os.path.join(root, 'downloads'))
+    extract_dir = tempfile.mkdtemp(prefix='cht_jax_extract_', dir=os.path.join(root, 'downloads'))
     try:
       download_and_prepare(
           offline, f'Could not prepare Omniglot from the archives in {folder} into {root}',
@@ -312,8 +247,7 @@ def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
   else:
     logging.info('No Omniglot archives in %s: downloading with TFDS into %s.',
                  ' or '.join(folders), root)
-    # Under tfds.testing.mock_data, download_and_prepare is a no-op from
-    # TFDS's testing module: nothing will be downloaded, so nothing to check.
+    # Under tfds.testing.mock_data nothing is downloaded: nothing to check.
     mocked = type(builder).download_and_prepare.__module__.startswith(
         'tensorflow_datasets.testing')
     offline = not mocked and _unreachable(
@@ -324,55 +258,34 @@ def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
           f'download them ({offline}). ' + _fix_hint(folder))
     download_and_prepare(builder, f'Could not download Omniglot with TFDS into {root}',
                          'On a machine without internet access: ' + _fix_hint(folder))
-  logging.info('Omniglot prepared in %s in %.1f s.', builder.data_dir,
-               time.time() - start)
-
-
-# --------------------------------------------------------------------------
-# Loading.
-# --------------------------------------------------------------------------
+  logging.info('Omniglot prepared in %s in %.1f s.', builder.data_dir, time.time() - start)
 
 
 def class_images_from_examples(
-    images: np.ndarray,
-    labels: np.ndarray,
-    images_per_class: int = IMAGES_PER_CLASS,
-    allow_incomplete_classes: bool = False,
-) -> tuple[np.ndarray, np.ndarray]:
-  """Groups examples by class.
+    images: np.ndarray, labels: np.ndarray, images_per_class: int = IMAGES_PER_CLASS,
+    allow_incomplete_classes: bool = False) -> tuple[np.ndarray, np.ndarray]:
+  """Groups examples [E, ...] by label [E]: (class_ids int64 [C] ascending, [C, M, ...]).
 
-  Args:
-    images: [E, ...] examples.
-    labels: [E] integer class ids.
-    images_per_class: M, images kept per class (the first M in example order).
-    allow_incomplete_classes: if False, every class must have exactly M
-      examples; if True, classes with fewer than M are dropped and classes
-      with more are cut to their first M (for mock data in tests).
-
-  Returns:
-    (class_ids int64 [C] sorted ascending, class_images [C, M, ...]).
-
-  Raises:
-    DataError: a class has a number of examples other than M (strict mode).
+  Each class keeps its first M = `images_per_class` examples. Unless
+  `allow_incomplete_classes` (mock data), a class without exactly M raises
+  DataError; with it, classes with fewer are dropped.
   """
   images, labels = np.asarray(images), np.asarray(labels).astype(np.int64)
   if images.shape[0] != labels.shape[0]:
     raise ValueError(f'{images.shape[0]} images but {labels.shape[0]} labels.')
   order = np.argsort(labels, kind='stable')
-  class_ids, starts, counts = np.unique(
-      labels[order], return_index=True, return_counts=True)
+  class_ids, starts, counts = np.unique(labels[order], return_index=True, return_counts=True)
   if not allow_incomplete_classes:
     bad = np.flatnonzero(counts != images_per_class)
     if bad.size:
       raise DataError(
-          f'{bad.size} class(es) do not have exactly {images_per_class} '
-          f'images, e.g. class {class_ids[bad[0]]} has {counts[bad[0]]}. The '
-          'prepared dataset is incomplete or not Omniglot 3.0.0: delete its '
-          'folder and prepare it again.')
+          f'{bad.size} class(es) do not have exactly {images_per_class} images, e.g. class '
+          f'{class_ids[bad[0]]} has {counts[bad[0]]}. The prepared dataset is incomplete or not '
+          'Omniglot 3.0.0: delete its folder and prepare it again.')
   keep = counts >= images_per_class
   if not keep.all():
-    logging.warning('Dropping %d of %d classes with fewer than %d images.',
-                    (~keep).sum(), keep.size, images_per_class)
+    logging.warning('Dropping %d of %d classes with fewer than %d images.', (~keep).sum(),
+                    keep.size, images_per_class)
   index = order[starts[keep, None] + np.arange(images_per_class)]
   return class_ids[keep], images[index]
 
@@ -383,15 +296,13 @@ def _read_split(builder, split: str, image_size: int):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   def resize(images, labels):
-    images = tf.image.resize(
-        tf.cast(images[..., :1], tf.float32), (image_size, image_size),
-        method='bilinear')
+    images = tf.image.resize(tf.cast(images[..., :1], tf.float32), (image_size, image_size),
+                             method='bilinear')
     images = tf.cast(tf.clip_by_value(tf.round(images), 0, 255), tf.uint8)
     return images, labels
 
   ds = builder.as_dataset(split=split, shuffle_files=False)
-  ds = ds.map(lambda ex: (ex['image'], ex['label']),
-              num_parallel_calls=tf.data.AUTOTUNE)
+  ds = ds.map(lambda ex: (ex['image'], ex['label']), num_parallel_calls=tf.data.AUTOTUNE)
   ds = ds.batch(1024).map(resize, num_parallel_calls=tf.data.AUTOTUNE)
   try:
     batches = list(tfds.as_numpy(ds.prefetch(tf.data.AUTOTUNE)))
@@ -399,33 +310,26 @@ def _read_split(builder, split: str, image_size: int):
     # TF wraps the reason: '{{function_node ...}} corrupted record at 42 [Op:...]'.
     reason = re.sub(r'\{\{.*?\}\}|\[Op:.*', '', e.message or '').split('\n')[0]
     raise DataError(
-        f'The prepared TFDS omniglot in {builder.data_dir} cannot be read '
-        f'(split {split!r}: {type(e).__name__}: {reason.strip()[:200]}). Delete that '
-        'folder and run again to prepare it afresh from the archives.') from None
+        f'The prepared TFDS omniglot in {builder.data_dir} cannot be read (split {split!r}: '
+        f'{type(e).__name__}: {reason.strip()[:200]}). Delete that folder and run again to '
+        'prepare it afresh from the archives.') from None
   if not batches:
-    return (np.zeros((0, image_size, image_size, 1), np.uint8),
-            np.zeros((0,), np.int64))
+    return np.zeros((0, image_size, image_size, 1), np.uint8), np.zeros((0,), np.int64)
   return (np.concatenate([b[0] for b in batches]),
           np.concatenate([b[1] for b in batches]).astype(np.int64))
 
 
 def _check_labels(train_labels, test_labels, strict: bool) -> None:
   """Checks TFDS labels are global ids, background (train) first."""
-  problems = []
-  if train_labels.size and (train_labels.min() < 0 or
-                            train_labels.max() >= NUM_BACKGROUND_CLASSES):
-    problems.append(f"split 'train' has labels {train_labels.min()}.."
-                    f'{train_labels.max()}, expected 0..'
-                    f'{NUM_BACKGROUND_CLASSES - 1}')
-  if test_labels.size and (test_labels.min() < NUM_BACKGROUND_CLASSES or
-                           test_labels.max() >= NUM_CLASSES):
-    problems.append(f"split 'test' has labels {test_labels.min()}.."
-                    f'{test_labels.max()}, expected {NUM_BACKGROUND_CLASSES}'
-                    f'..{NUM_CLASSES - 1}')
+  problems = [
+      f"split '{split}' has labels {labels.min()}..{labels.max()}, expected {lo}..{hi - 1}"
+      for split, labels, lo, hi in (('train', train_labels, 0, NUM_BACKGROUND_CLASSES),
+                                    ('test', test_labels, NUM_BACKGROUND_CLASSES, NUM_CLASSES))
+      if labels.size and (labels.min() < lo or labels.max() >= hi)]
   if not problems:
     return
-  msg = ('TFDS omniglot labels are not global ids with the background set '
-         'first: ' + '; '.join(problems) + '.')
+  msg = ('TFDS omniglot labels are not global ids with the background set first: '
+         + '; '.join(problems) + '.')
   if strict:
     raise DataError(msg + ' The prepared dataset is not Omniglot 3.0.0.')
   logging.warning('%s (allowed: allow_incomplete_classes=True)', msg)
@@ -437,9 +341,9 @@ def _data_dir_root(data_dir: str | None) -> str:
   return os.path.expanduser(os.fspath(root))
 
 
-def _cache_path(root: str, split_scheme: str, split_seed: int,
-                image_size: int, binarize: bool = False) -> str:
-  """The cache file; binarised images have their own (grey ones keep the old name)."""
+def _cache_path(root: str, split_scheme: str, split_seed: int, image_size: int,
+                binarize: bool = False) -> str:
+  """The cache file; binarised images have their own."""
   suffix = '_binary' if binarize else ''
   return os.path.join(root, _CACHE_DIRNAME,
                       f'omniglot_{split_scheme}_{split_seed}_{image_size}{suffix}.npz')
@@ -452,16 +356,10 @@ BINARIZE_THRESHOLD = 128
 def binarize_images(images: np.ndarray) -> np.ndarray:
   """uint8 images of the resize -> uint8 with only 0 (stroke) and 255 (background).
 
-  The original HT reads Omniglot from a NumPy cache of boolean pixels and
-  turns True into 255, False into 0 (hypertransformer/tf/core/train_lib.py,
-  `_load_cache` and `_convert_bool`) before its x / 128 - 1. How that cache
-  was made is not in the original code (it is a download); Omniglot's 1-bit
-  PNGs are 1 on the white background, so a boolean read of them is True
-  there, the polarity kept here (255 = background, as in the grey images).
-  The threshold is the midpoint: each resized pixel goes to the nearer of the
-  two values. Applied at the stored resolution (`image_size`): the original
-  resizes after reading its cache (`train_lib._resize`, bilinear), which
-  leaves two values only where the cache already has the model's size.
+  The original HT reads a NumPy cache of boolean pixels, True -> 255, False -> 0
+  (hypertransformer/tf/core/train_lib.py, `_load_cache` and `_convert_bool`).
+  Omniglot's 1-bit PNGs are 1 on the background, so 255 = background here too;
+  each pixel goes to the nearer value, at the stored resolution.
   """
   return np.where(np.asarray(images) >= BINARIZE_THRESHOLD, 255, 0).astype(np.uint8)
 
@@ -489,56 +387,35 @@ def _select(class_ids: np.ndarray, class_images: np.ndarray,
   """class_images rows of the `wanted` ids, in that order."""
   pos = np.searchsorted(class_ids, wanted)
   pos = np.minimum(pos, max(len(class_ids) - 1, 0))
-  found = (class_ids[pos] == wanted) if len(class_ids) else np.zeros(
-      len(wanted), bool)
+  found = (class_ids[pos] == wanted) if len(class_ids) else np.zeros(len(wanted), bool)
   if not found.all():
     if strict:
-      raise DataError(f"{(~found).sum()} classes of split '{split}' are "
-                      f'missing, e.g. {np.asarray(wanted)[~found][0]}.')
+      raise DataError(f"{(~found).sum()} classes of split '{split}' are missing, e.g. "
+                      f'{np.asarray(wanted)[~found][0]}.')
     pos = pos[found]
   return class_images[pos]
 
 
 def load_omniglot(
-    data_dir: str | None,
-    manual_dir: str | None,
-    split_scheme: str = 'ht',
-    split_seed: int = 2022,
-    image_size: int = 28,
-    images_per_class: int = IMAGES_PER_CLASS,
-    allow_incomplete_classes: bool = False,
-    binarize: bool = False,
-) -> dict[str, np.ndarray]:
+    data_dir: str | None, manual_dir: str | None, split_scheme: str = 'ht',
+    split_seed: int = 2022, image_size: int = 28, images_per_class: int = IMAGES_PER_CLASS,
+    allow_incomplete_classes: bool = False, binarize: bool = False) -> dict[str, np.ndarray]:
   """Loads Omniglot class images per split, preparing the data if needed.
 
-  Images are TFDS's 105x105 PNGs (first channel), resized bilinearly
-  (`tf.image.resize`, no antialiasing) to `image_size`, rounded to uint8
-  (0 = stroke, 255 = background). Classes are ordered as in `class_split`.
-  The result is cached in `<data_dir>/cht_jax_cache/` (only for a prepared
-  dataset that passed every check, with the full 20 images per class), so a
-  second call reads one .npz.
-
-  Args:
-    data_dir: TFDS data dir (None: TFDS default).
-    manual_dir: folder with the Omniglot archives for offline preparation
-      (None: `<data_dir>/downloads/manual`). See `prepare_omniglot`.
-    split_scheme: 'ht' or 'alphabet', see `class_split`.
-    split_seed: seed of the 'ht' class shuffle.
-    image_size: S, output height and width.
-    images_per_class: M, images per class (20 in Omniglot).
-    allow_incomplete_classes: for mock data in tests: drop classes with fewer
-      than M images (keep the first M otherwise) and only warn about labels
-      that are not Omniglot's global ids, instead of raising DataError.
-    binarize: the resized images binarised (`binarize_images`), cached in a
-      file of their own beside the grey one, made from it.
+  TFDS's 105x105 PNGs are resized bilinearly (no antialiasing) to S =
+  `image_size` and rounded to uint8 (0 = stroke, 255 = background). Only a
+  complete, checked dataset is cached, so a second call reads one .npz. See
+  `prepare_omniglot` for `data_dir` and `manual_dir`, `class_split` for the
+  split. `allow_incomplete_classes` (mock data) drops classes with fewer than
+  M = `images_per_class` images and only warns about labels that are not
+  global ids. `binarize`: see `binarize_images`; cached in a file of its own.
 
   Returns:
-    {'train', 'validation', 'test'} -> uint8 [C_split, M, S, S, 1]; with the
-    real data C is 1150/50/423 ('ht') or 914/50/659 ('alphabet').
+    {'train', 'validation', 'test'} -> uint8 [C_split, M, S, S, 1]; C is
+    1150/50/423 ('ht') or 914/50/659 ('alphabet').
 
   Raises:
-    DataError: missing or corrupt data (see `prepare_omniglot`), or classes
-      without exactly M images.
+    DataError: missing or corrupt data, or classes without exactly M images.
   """
   splits = class_split(split_scheme, split_seed)  # Validates the scheme.
   # Mock data (tests) never reads or writes the cache of the real dataset.
@@ -547,8 +424,7 @@ def load_omniglot(
     return _load_binarized(data_dir, manual_dir, split_scheme, split_seed, image_size,
                            images_per_class, allow_incomplete_classes, use_cache)
   if use_cache:
-    # Read before TFDS is imported: training and evaluation from a prepared
-    # cache need neither TensorFlow nor TFDS (GPU images often lack them).
+    # Before TFDS is imported: a cached run needs no TensorFlow (GPU images often lack it).
     cache = _cache_path(_data_dir_root(data_dir), split_scheme, split_seed, image_size)
     out = _read_cache(cache, 'Omniglot')
     if out is not None:
@@ -563,20 +439,17 @@ def load_omniglot(
   strict = not allow_incomplete_classes
   train_images, train_labels = _read_split(builder, 'train', image_size)
   test_images, test_labels = _read_split(builder, 'test', image_size)
-  logging.info('Read %d + %d Omniglot images in %.1f s.', len(train_labels),
-               len(test_labels), time.time() - start)
+  logging.info('Read %d + %d Omniglot images in %.1f s.', len(train_labels), len(test_labels),
+               time.time() - start)
   _check_labels(train_labels, test_labels, strict)
   class_ids, class_images = class_images_from_examples(
-      np.concatenate([train_images, test_images]),
-      np.concatenate([train_labels, test_labels]),
+      np.concatenate([train_images, test_images]), np.concatenate([train_labels, test_labels]),
       images_per_class, allow_incomplete_classes)
-  out = {s: _select(class_ids, class_images, ids, s, strict)
-         for s, ids in splits.items()}
+  out = {s: _select(class_ids, class_images, ids, s, strict) for s, ids in splits.items()}
   complete = (len(class_ids) == NUM_CLASSES and
               all(len(out[s]) == len(splits[s]) for s in SPLITS))
   if strict and not complete:
-    raise DataError(f'Expected {NUM_CLASSES} Omniglot classes, found '
-                    f'{len(class_ids)}.')
+    raise DataError(f'Expected {NUM_CLASSES} Omniglot classes, found {len(class_ids)}.')
   if use_cache and complete and builder.is_prepared():
     _save_npz(cache, out)
     logging.info('Omniglot cached to %s.', cache)
@@ -593,8 +466,7 @@ def _read_cache(cache: str, what: str) -> dict[str, np.ndarray] | None:
     with np.load(cache) as f:
       out = {s: f[s] for s in SPLITS}
   except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
-    logging.warning('Rebuilding the unreadable cache %s (%s: %s).', cache,
-                    type(e).__name__, e)
+    logging.warning('Rebuilding the unreadable cache %s (%s: %s).', cache, type(e).__name__, e)
     return None
   logging.info('%s loaded from cache %s.', what, cache)
   return out
@@ -603,8 +475,7 @@ def _read_cache(cache: str, what: str) -> dict[str, np.ndarray] | None:
 def _load_binarized(data_dir, manual_dir, split_scheme, split_seed, image_size,
                     images_per_class, allow_incomplete_classes, use_cache):
   """`load_omniglot(..., binarize=True)`: its own cache, else the grey images binarised."""
-  cache = _cache_path(_data_dir_root(data_dir), split_scheme, split_seed, image_size,
-                      binarize=True)
+  cache = _cache_path(_data_dir_root(data_dir), split_scheme, split_seed, image_size, binarize=True)
   out = _read_cache(cache, 'Binarised Omniglot') if use_cache else None
   if out is not None:
     return out

@@ -1,31 +1,13 @@
 """A host input pipeline of episode batches for datasets too large for memory.
 
-The on-device sampler (`episodes.py`) keeps every image of a split in device
-memory: right for Omniglot (1150 x 20 images of 28x28), not for
-tieredImageNet (448k images of 84x84x3, 9.5 GB). Here the images stay
-encoded on disk in a random-access source (TFDS's ArrayRecord data source)
-and only the images of the coming episodes are read:
-
-1. indices: for step s, `episode_indices` draws the classes and the images of
-   B episodes on the host with NumPy, from `default_rng([seed, s, p])` (p:
-   the process, for several hosts each drawing its share of the batch): the
-   episodes of a step depend only on (seed, s, p), so a resumed run sees the
-   same data. The drawing rules are those of the device sampler ('disjoint',
-   'same' or 'domain' classes; N + Q distinct images per class, or with
-   episode.independent_draws the N support and Q query images drawn apart),
-   not its random numbers. With U unlabeled images per class (semi-supervised
-   episodes) each class gives N + Q + U, the U last ones unlabeled.
-2. tf.data: `range(first_step, ...)` -> fetch the encoded images of a step
-   (parallel, deterministic order) -> decode + resize (parallel) -> the
-   episode dict -> prefetch.
-
-`episode_batches` yields, per step, the dict of `episodes.sample_episodes`
-(same keys, shapes, dtypes, labels, normalization) as NumPy arrays with a
-leading B axis, or with uint8 images (`normalize=False`) to cut the
-host-to-device copy by 4x; `device_episodes` then normalizes on device.
-
-Shapes: B episodes, T tasks, K ways, N shots, Q queries per class, S x S x D
-images.
+Unlike the on-device sampler (`episodes.py`), the images stay encoded on disk
+in a random-access source (TFDS's ArrayRecord data source). `episode_indices`
+draws step s's records with NumPy from `default_rng([seed, s, process])` (so a
+resumed run sees the same data), by the device sampler's rules, not its random
+numbers; tf.data then fetches, decodes and assembles them in a deterministic
+order. `episode_batches` yields `episodes.sample_episodes`'s dict as NumPy, or
+with uint8 images (`normalize=False`: a 4x smaller host-to-device copy) that
+`device_episodes` normalizes on device.
 """
 
 from __future__ import annotations
@@ -43,12 +25,7 @@ _CACHE_DIRNAME = 'cht_jax_cache'
 
 
 class ClassIndex(NamedTuple):
-  """Where the images of each class are in a source.
-
-  Attributes:
-    class_ids: int64 [C], the source's label of each class row.
-    records: C arrays of record indices, the images of each class.
-  """
+  """Where each class's images are: class_ids int64 [C] (labels), records: C index arrays."""
   class_ids: np.ndarray
   records: list[np.ndarray]
 
@@ -59,17 +36,14 @@ class ClassIndex(NamedTuple):
 
 def class_index(labels: np.ndarray, classes: Sequence[int] | None = None,
                 min_images: int = 1) -> ClassIndex:
-  """Groups record indices by label.
+  """Groups record indices by label [E].
 
-  Args:
-    labels: int [E], the label of each record.
-    classes: the labels to keep, in this order (default: all, ascending).
-    min_images: classes with fewer records are dropped (with a warning).
+  Keeps `classes` in this order (default: all, ascending), dropping those with
+  fewer than `min_images` records.
   """
   labels = np.asarray(labels, np.int64)
   order = np.argsort(labels, kind='stable')
-  ids, starts, counts = np.unique(labels[order], return_index=True,
-                                  return_counts=True)
+  ids, starts, counts = np.unique(labels[order], return_index=True, return_counts=True)
   by_id = {int(i): order[s:s + c] for i, s, c in zip(ids, starts, counts)}
   wanted = ids if classes is None else np.asarray(classes, np.int64)
   kept = [int(c) for c in wanted if len(by_id.get(int(c), ())) >= min_images]
@@ -82,12 +56,9 @@ def class_index(labels: np.ndarray, classes: Sequence[int] | None = None,
 class EncodedSource:
   """Random access to encoded images by record index.
 
-  Wraps any sequence whose items are encoded image bytes, or dicts with the
-  bytes under 'image' (a TFDS data source read with
-  `decoders={'image': tfds.decode.SkipDecoding()}`), e.g. a list in tests;
-  or, with `example_key`, serialized `tf.train.Example`s holding the encoded
-  image under that feature (a TFDS data source read as raw bytes: parsed in
-  the tf.data graph, not in Python).
+  Wraps a sequence of encoded image bytes, or of dicts with them under 'image';
+  with `example_key`, of serialized `tf.train.Example`s with the image under
+  that feature (parsed in the tf.data graph).
   """
 
   def __init__(self, records: Sequence[Any], example_key: str | None = None):
@@ -100,10 +71,8 @@ class EncodedSource:
   def get(self, indices: np.ndarray) -> list[bytes]:
     indices = [int(i) for i in np.ravel(indices)]
     getitems = getattr(self._records, '__getitems__', None)
-    items = getitems(indices) if getitems else [self._records[i]
-                                                for i in indices]
-    return [item['image'] if isinstance(item, dict) else item
-            for item in items]
+    items = getitems(indices) if getitems else [self._records[i] for i in indices]
+    return [item['image'] if isinstance(item, dict) else item for item in items]
 
   def parse(self, records):
     """tf.string [E] records -> tf.string [E] encoded images (in a tf graph)."""
@@ -118,17 +87,14 @@ class EncodedSource:
 def tfds_source(builder, split: str) -> tuple[EncodedSource, np.ndarray]:
   """(source, labels int64 [E]) of a split prepared as ArrayRecord.
 
-  The records are read as raw serialized examples, parsed by tf.data. The
-  labels are read once and cached in
-  `<data_dir>/cht_jax_cache/<name>_<version>_<split>_labels.npy`.
+  The labels are cached in `<data_dir>/cht_jax_cache/<name>_<version>_<split>_labels.npy`.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   try:
     records = builder.as_data_source(
-        split=split,
-        deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
+        split=split, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
   except NotImplementedError as e:
     raise DataError(
         f'{builder.name} in {builder.data_dir} is not stored as ArrayRecord, '
@@ -145,8 +111,7 @@ def tfds_source(builder, split: str) -> tuple[EncodedSource, np.ndarray]:
   if labels is None:  # One pass over the records, images left encoded.
     chunk, parts = 4096, [np.zeros((0,), np.int64)]
     for start in range(0, len(records), chunk):
-      raw = records.__getitems__(list(range(start, min(start + chunk,
-                                                      len(records)))))
+      raw = records.__getitems__(list(range(start, min(start + chunk, len(records)))))
       parts.append(tf.io.parse_example(
           tf.constant(np.asarray(raw, object)),
           {'label': tf.io.FixedLenFeature([], tf.int64)})['label'].numpy())
@@ -154,11 +119,6 @@ def tfds_source(builder, split: str) -> tuple[EncodedSource, np.ndarray]:
     os.makedirs(os.path.dirname(cache), exist_ok=True)
     np.save(cache, labels)
   return EncodedSource(records, example_key='image'), labels
-
-
-# --------------------------------------------------------------------------
-# Episode indices on the host.
-# --------------------------------------------------------------------------
 
 
 def _draw_classes(rng: np.random.Generator, num_classes: int,
@@ -171,8 +131,8 @@ def _draw_classes(rng: np.random.Generator, num_classes: int,
     return np.tile(rng.choice(num_classes, k, replace=False)[None], (t, 1))
   offsets = episodes_lib.domain_offsets(spec.domain_sizes)
   domains = rng.choice(len(spec.domain_sizes), t, replace=False)
-  return np.stack([offsets[d] + rng.choice(spec.domain_sizes[d], k,
-                                           replace=False) for d in domains])
+  return np.stack([offsets[d] + rng.choice(spec.domain_sizes[d], k, replace=False)
+                   for d in domains])
 
 
 def episode_indices(seed: int, step: int, index: ClassIndex,
@@ -181,16 +141,12 @@ def episode_indices(seed: int, step: int, index: ClassIndex,
   """The records of B episodes of one step, a function of (seed, step, process).
 
   Returns:
-    (records int64 [B, T, K, N+Q+U], N + Q + U distinct images per class:
-    support, queries, then unlabeled; with spec.independent_draws the N + U
-    support and unlabeled images distinct, the Q queries distinct, drawn
-    apart (as `episodes._draw_images`); class rows int32 [B, T, K], rows of
-    `index`).
+    (records int64 [B, T, K, N+Q+U]: support, queries, then unlabeled, drawn
+    as `episodes._draw_images`; class rows int32 [B, T, K] of `index`).
   """
   rng = np.random.default_rng([seed, step, process])
   per_class = episodes_lib.images_per_task(spec)
-  classes = np.stack([_draw_classes(rng, len(index.records), spec)
-                      for _ in range(num_episodes)])
+  classes = np.stack([_draw_classes(rng, len(index.records), spec) for _ in range(num_episodes)])
   records = np.empty(classes.shape + (per_class,), np.int64)
   if spec.independent_draws:  # The original HT's draws: one choice per batch.
     n, q = spec.shots, spec.queries_per_class
@@ -213,50 +169,24 @@ def episode_indices(seed: int, step: int, index: ClassIndex,
 
 
 def check_spec(spec: episodes_lib.EpisodeSpec, index: ClassIndex) -> None:
-  """Raises ValueError if `spec` cannot be drawn from `index`."""
-  # The device sampler's checks on an equivalent class-images shape.
-  episodes_lib.validate_spec(
-      spec, (len(index.records), index.min_images, 1, 1, 1))
+  """Raises ValueError if `spec` cannot be drawn from `index` (the device sampler's checks)."""
+  episodes_lib.validate_spec(spec, (len(index.records), index.min_images, 1, 1, 1))
 
 
-# --------------------------------------------------------------------------
-# The tf.data pipeline.
-# --------------------------------------------------------------------------
-
-
-def _labels(spec: episodes_lib.EpisodeSpec, per_class: int,
-            num_episodes: int) -> np.ndarray:
+def _labels(spec: episodes_lib.EpisodeSpec, per_class: int, num_episodes: int) -> np.ndarray:
   labels = np.repeat(np.arange(spec.ways, dtype=np.int32), per_class)
   return np.tile(labels, (num_episodes, spec.num_tasks, 1))
 
 
-def episode_dataset(source: EncodedSource, index: ClassIndex,
-                    spec: episodes_lib.EpisodeSpec, num_episodes: int,
-                    seed: int, first_step: int, image_size: int,
-                    channels: int, normalize: bool = True,
-                    num_steps: int | None = None, process: int = 0):
+def episode_dataset(source: EncodedSource, index: ClassIndex, spec: episodes_lib.EpisodeSpec,
+                    num_episodes: int, seed: int, first_step: int, image_size: int,
+                    channels: int, normalize: bool = True, num_steps: int | None = None,
+                    process: int = 0):
   """A tf.data.Dataset of episode batches, element i for step first_step + i.
 
-  Args:
-    source: encoded images by record index.
-    index: the classes of the split (rows) and their records.
-    spec: the episode spec.
-    num_episodes: B, episodes per element.
-    seed: the config seed.
-    first_step: the step of the first element.
-    image_size: S; images of another size are resized (bilinear).
-    channels: D (1 or 3; decoding converts).
-    normalize: float32 x / 128 - 1 images (as `episodes.sample_episodes`);
-      False: uint8.
-    num_steps: elements (None: endless).
-    process: this process's index (its own random stream) when several
-      hosts each read B = their share of the global batch.
-
-  Returns:
-    Elements {'support_images': [B, T, K*N, S, S, D], 'support_labels':
-    int32 [B, T, K*N], 'query_images': [B, T, K*Q, S, S, D], 'query_labels':
-    int32 [B, T, K*Q], 'class_ids': int32 [B, T, K]}, and with
-    spec.unlabeled_per_class = U > 0 'unlabeled_images' [B, T, K*U, S, S, D].
+  Elements have `episodes.sample_episodes`'s keys and shapes for B =
+  `num_episodes`; images of another size than `image_size` are resized
+  (bilinear), uint8 unless `normalize`. `num_steps` None: endless.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
@@ -266,13 +196,11 @@ def episode_dataset(source: EncodedSource, index: ClassIndex,
   shape = (image_size, image_size, channels)
 
   def fetch(step):
-    records, classes = episode_indices(seed, int(step), index, spec, b,
-                                       process)
+    records, classes = episode_indices(seed, int(step), index, spec, b, process)
     return np.asarray(source.get(records), dtype=object), classes
 
   def decode_one(encoded):
-    image = tf.io.decode_image(encoded, channels=channels,
-                               expand_animations=False)
+    image = tf.io.decode_image(encoded, channels=channels, expand_animations=False)
     if image_size:
       resized = tf.image.resize(tf.cast(image, tf.float32),
                                 (image_size, image_size), method='bilinear')
@@ -299,14 +227,12 @@ def episode_dataset(source: EncodedSource, index: ClassIndex,
       episode['unlabeled_images'] = tf.reshape(images[:, :, :, n + q:], (b, t, k * u) + shape)
     return episode
 
-  end = first_step + num_steps if num_steps is not None else np.iinfo(
-      np.int64).max
+  end = first_step + num_steps if num_steps is not None else np.iinfo(np.int64).max
   ds = tf.data.Dataset.range(first_step, end)
   ds = ds.map(lambda s: tf.numpy_function(fetch, [s], (tf.string, tf.int32),
                                           stateful=False),
               num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-  ds = ds.map(assemble, num_parallel_calls=tf.data.AUTOTUNE,
-              deterministic=True)
+  ds = ds.map(assemble, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   options = tf.data.Options()
   options.deterministic = True
   options.autotune.enabled = True
@@ -327,19 +253,9 @@ def device_episodes(batch: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-# --------------------------------------------------------------------------
-# In-memory class images (the device path) from a source.
-# --------------------------------------------------------------------------
-
-
-def class_images(source: EncodedSource, index: ClassIndex,
-                 images_per_class: int, image_size: int,
-                 channels: int) -> np.ndarray:
-  """uint8 [C, M, S, S, D]: the first M images of each class of `index`.
-
-  Classes with fewer than M images must have been dropped from `index`
-  (`class_index(..., min_images=M)`).
-  """
+def class_images(source: EncodedSource, index: ClassIndex, images_per_class: int,
+                 image_size: int, channels: int) -> np.ndarray:
+  """uint8 [C, M, S, S, D]: the first M images of each class of `index` (for the device path)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   if index.min_images < images_per_class:
@@ -353,8 +269,7 @@ def class_images(source: EncodedSource, index: ClassIndex,
   flat = records.reshape(-1)
 
   def decode(encoded):
-    image = tf.io.decode_image(encoded, channels=channels,
-                               expand_animations=False)
+    image = tf.io.decode_image(encoded, channels=channels, expand_animations=False)
     image = tf.image.resize(tf.cast(image, tf.float32), shape[:2])
     return tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
 
@@ -364,8 +279,8 @@ def class_images(source: EncodedSource, index: ClassIndex,
           lambda s: np.asarray(source.get(flat[s:s + chunk]), object),
           [start], tf.string, stateful=False),
       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-  ds = ds.map(source.parse).unbatch().map(decode, num_parallel_calls=tf.data.AUTOTUNE,
-                        deterministic=True).batch(chunk)
+  ds = ds.map(source.parse).unbatch().map(
+      decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).batch(chunk)
   view = out.reshape((-1,) + shape)
   start = 0
   for batch in ds.as_numpy_iterator():

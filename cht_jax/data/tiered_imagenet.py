@@ -1,27 +1,19 @@
 """tieredImageNet as a TFDS dataset built from the user's own download.
 
-tieredImageNet (Ren et al., ICLR 2018) is 608 ImageNet classes grouped into 34
-super-categories: 351 training, 97 validation and 160 test classes, 84x84 RGB.
-It has no public TFDS builder, and ImageNet's licence forbids re-hosting, so
-the builder here (`tiered_imagenet_cht`, not registered under TFDS's global
-names) prepares it from files the user downloads into a manual folder, in
-either of two layouts:
+tieredImageNet (Ren et al., ICLR 2018): 351 training, 97 validation and 160
+test ImageNet classes, 84x84 RGB. ImageNet's licence forbids re-hosting, so
+the builder here (`tiered_imagenet_cht`, unregistered) prepares it from a
+manual folder in either of two layouts:
 
-(a) the pickled release of Ren et al. (`tiered-imagenet.tar`, unpacked):
-    `{train,val,test}_images_png.pkl`: a list of PNG-encoded images (bytes or
-    uint8 arrays of the PNG bytes), and `{train,val,test}_labels.pkl`: a dict
-    with 'label_specific' (class id per image) and optionally
-    'label_specific_str' (class names). Pickles from Python 2 are read with
-    latin1 encoding.
-(b) a folder layout derived from ImageNet with the tieredImageNet class
-    lists: `{train,val,test}/<class name>/*.{jpg,jpeg,png}` (any size; images
-    are resized to 84x84 bilinearly).
+(a) the pickled release of Ren et al.: `{train,val,test}_images_png.pkl`, a
+    list of PNG images (bytes or uint8 arrays of them), and
+    `{train,val,test}_labels.pkl`, a dict with 'label_specific' and optionally
+    'label_specific_str' (class names); Python 2 pickles are read as latin1.
+(b) `{train,val,test}/<class name>/*.{jpg,jpeg,png}`, resized bilinearly.
 
-The TFDS splits are 'train', 'validation' and 'test'; features: 'image'
-uint8 [84, 84, 3] (PNG), 'label' int64 (the class id within its split, in
-0..C_split - 1, sorted by the release's id or by folder name), 'class_name'.
-The records are written as ArrayRecord, so the host pipeline can read any
-example by index (`pipeline.py`).
+Features: 'image' uint8 [84, 84, 3] (PNG), 'label' int64 (0..C_split - 1, by
+release id or folder name), 'class_name'; written as ArrayRecord for the host
+pipeline's random access.
 """
 
 from __future__ import annotations
@@ -61,8 +53,7 @@ Or point the config field `data.manual_dir` at a folder laid out like that."""
 
 
 def _fix_hint(folder: str) -> str:
-  return MANUAL_DOWNLOAD_INSTRUCTIONS.replace('{folder}', folder).replace(
-      '\n', ' ')
+  return MANUAL_DOWNLOAD_INSTRUCTIONS.replace('{folder}', folder).replace('\n', ' ')
 
 
 def _pickle_files(folder: str, split: str) -> tuple[str, str]:
@@ -72,11 +63,7 @@ def _pickle_files(folder: str, split: str) -> tuple[str, str]:
 
 
 def detect_layout(folder: str) -> str:
-  """'pickle' or 'folders', whichever `folder` holds completely.
-
-  Raises:
-    DataError: neither layout is complete, naming what is missing.
-  """
+  """'pickle' or 'folders', whichever `folder` holds completely; else DataError."""
   pickles = [p for s in SPLIT_CLASSES for p in _pickle_files(folder, s)]
   if all(os.path.isfile(p) for p in pickles):
     return 'pickle'
@@ -87,8 +74,8 @@ def detect_layout(folder: str) -> str:
     found = f'the folder {folder} does not exist'
   else:
     missing = [os.path.basename(p) for p in pickles if not os.path.isfile(p)]
-    found = (f'{folder} has neither all six pickles (missing: '
-             f'{", ".join(missing)}) nor the folders train/, val/ and test/')
+    found = (f'{folder} has neither all six pickles (missing: {", ".join(missing)}) nor the '
+             'folders train/, val/ and test/')
   raise DataError(f'tieredImageNet not found: {found}. ' + _fix_hint(folder))
 
 
@@ -108,9 +95,8 @@ def _pickle_labels(folder: str, split: str) -> tuple[np.ndarray, list[str]]:
     data = _load_pickle(path)
     raw = np.asarray(data['label_specific']).astype(np.int64)
   except (OSError, pickle.UnpicklingError, EOFError, KeyError, TypeError) as e:
-    raise DataError(f'Cannot read the tieredImageNet labels {path} '
-                    f'({type(e).__name__}: {e}); expected a pickled dict with '
-                    "'label_specific'. " + _fix_hint(folder)) from None
+    raise DataError(f'Cannot read the tieredImageNet labels {path} ({type(e).__name__}: {e}); '
+                    "expected a pickled dict with 'label_specific'. " + _fix_hint(folder)) from None
   ids, labels = np.unique(raw, return_inverse=True)
   names = data.get('label_specific_str')
   if names is not None and len(names) > int(ids.max()):
@@ -126,12 +112,10 @@ def _text(value) -> str:
 
 def _folder_classes(folder: str, split: str) -> list[str]:
   root = os.path.join(folder, FILE_SPLITS[split])
-  return sorted(d for d in os.listdir(root)
-                if os.path.isdir(os.path.join(root, d)))
+  return sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
 
 
-def check_class_counts(folder: str, layout: str,
-                       expected: dict[str, int] | None) -> dict[str, int]:
+def check_class_counts(folder: str, layout: str, expected: dict[str, int] | None) -> dict[str, int]:
   """Class count of each split; DataError if one differs from `expected`."""
   counts = {}
   for split in SPLIT_CLASSES:
@@ -141,9 +125,8 @@ def check_class_counts(folder: str, layout: str,
       counts[split] = len(_folder_classes(folder, split))
   if expected is not None and counts != dict(expected):
     raise DataError(
-        f'tieredImageNet in {folder} ({layout} layout) has {counts} classes '
-        f'per split, expected {dict(expected)}: the download is incomplete or '
-        'another dataset. ' + _fix_hint(folder))
+        f'tieredImageNet in {folder} ({layout} layout) has {counts} classes per split, expected '
+        f'{dict(expected)}: the download is incomplete or another dataset. ' + _fix_hint(folder))
   return counts
 
 
@@ -151,8 +134,7 @@ def _as_84x84_png(encoded: bytes) -> bytes | np.ndarray:
   """The PNG bytes as they are when 84x84 RGB PNG, else a resized array."""
   from PIL import Image  # pylint: disable=g-import-not-at-top
   image = Image.open(io.BytesIO(encoded))
-  if (image.format == 'PNG' and image.mode == 'RGB' and
-      image.size == (IMAGE_SIZE, IMAGE_SIZE)):
+  if image.format == 'PNG' and image.mode == 'RGB' and image.size == (IMAGE_SIZE, IMAGE_SIZE):
     return encoded
   return _resized(image)
 
@@ -165,21 +147,18 @@ def _resized(image) -> np.ndarray:
   return np.asarray(image, np.uint8)
 
 
-def generate_examples(folder: str, layout: str,
-                      split: str) -> Iterator[tuple[str, dict]]:
+def generate_examples(folder: str, layout: str, split: str) -> Iterator[tuple[str, dict]]:
   """(key, example) pairs of one split, as TFDS's `_generate_examples`."""
   if layout == 'pickle':
     labels, names = _pickle_labels(folder, split)
     images = _load_pickle(_pickle_files(folder, split)[0])
     if len(images) != len(labels):
-      raise DataError(
-          f'{_pickle_files(folder, split)[0]} has {len(images)} images but its '
-          f'labels file {len(labels)} labels. ' + _fix_hint(folder))
+      raise DataError(f'{_pickle_files(folder, split)[0]} has {len(images)} images but its labels '
+                      f'file {len(labels)} labels. ' + _fix_hint(folder))
     for index, (encoded, label) in enumerate(zip(images, labels)):
       if not isinstance(encoded, bytes):  # uint8 array of the PNG's bytes.
         encoded = np.asarray(encoded, np.uint8).tobytes()
-      yield f'{split}_{index}', {'image': _as_84x84_png(encoded),
-                                 'label': int(label),
+      yield f'{split}_{index}', {'image': _as_84x84_png(encoded), 'label': int(label),
                                  'class_name': names[label]}
     return
   from PIL import Image  # pylint: disable=g-import-not-at-top
@@ -199,8 +178,7 @@ def builder_class():
   """The TFDS builder class (defined on first use: TFDS imports are slow)."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
-  class TieredImagenetCht(tfds.core.GeneratorBasedBuilder,
-                          skip_registration=True):
+  class TieredImagenetCht(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     """tieredImageNet from a manual download (pickled release or folders)."""
 
     VERSION = tfds.core.Version('1.0.0')
@@ -213,8 +191,8 @@ def builder_class():
     def _info(self):
       return self.dataset_info_from_configs(
           features=tfds.features.FeaturesDict({
-              'image': tfds.features.Image(
-                  shape=(IMAGE_SIZE, IMAGE_SIZE, 3), encoding_format='png'),
+              'image': tfds.features.Image(shape=(IMAGE_SIZE, IMAGE_SIZE, 3),
+                                           encoding_format='png'),
               'label': tfds.features.Scalar(np.int64),
               'class_name': tfds.features.Text(),
           }),
@@ -226,10 +204,8 @@ def builder_class():
       folder = os.fspath(dl_manager.manual_dir)
       layout = detect_layout(folder)
       counts = check_class_counts(folder, layout, self.expected_classes)
-      logging.info('tieredImageNet from %s (%s layout): %s classes.', folder,
-                   layout, counts)
-      return {split: self._generate_examples(folder, layout, split)
-              for split in SPLIT_CLASSES}
+      logging.info('tieredImageNet from %s (%s layout): %s classes.', folder, layout, counts)
+      return {split: self._generate_examples(folder, layout, split) for split in SPLIT_CLASSES}
 
     def _generate_examples(self, folder, layout, split):
       yield from generate_examples(folder, layout, split)
@@ -242,17 +218,9 @@ def prepare(data_dir: str | None, manual_dir: str | None,
             expected_classes: dict[str, int] | None = SPLIT_CLASSES):
   """Returns the TFDS builder of tieredImageNet, prepared in `data_dir`.
 
-  Nothing is read if it already is. Else the files are looked for in
-  `manual_dir`, or `<data_dir>/downloads/manual/tiered_imagenet` when None.
-
-  Args:
-    data_dir: TFDS data dir (None: TFDS's default).
-    manual_dir: folder of the download, see the module docstring.
-    expected_classes: classes per split to insist on (None: any).
-
-  Raises:
-    DataError: files missing or class counts not 351/97/160, saying what to
-      download and where to put it.
+  Reads the download from `manual_dir` (None: `<data_dir>/downloads/manual/tiered_imagenet`)
+  if not yet prepared. Raises DataError if files are missing or the class counts per split
+  are not `expected_classes` (None: any).
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 

@@ -1,12 +1,7 @@
 """Faster backends of two operations of the model, called explicitly where the model runs them.
 
-`cpu/` holds C++ kernels for XLA:CPU, the 'fused_cpu' setting of
-`model.conv_impl` (the generated CNN's block, `models/cnn.py:conv_block`) and of
-`model.encoder_impl` (a whole encoder stack, `models/transformer.py:Encoder`).
-Those two places import their kernel inside the branch that runs it: importing
-the model imports no kernel, and the library is built only where 'fused_cpu'
-runs (`resolve`, `cpu/library.py`). Kernels import nothing of the model: what
-they need of it (the BatchNorm epsilon, the encoder's heads) comes as arguments.
+`cpu/`: the C++ kernels of `model.conv_impl` and `model.encoder_impl`
+'fused_cpu', imported only in the branch that runs them; they import no model.
 """
 
 from absl import logging
@@ -14,13 +9,8 @@ import jax
 
 
 def resolve(field: str, impl: str, choices: tuple[str, ...], fallback: str) -> str:
-  """What the setting `field` = `impl` runs here: 'auto' resolved, 'fused_cpu' checked.
-
-  'auto' is 'fused_cpu' on CPU where the kernels build (once per machine,
-  cached), else `fallback`, the model's own form; any other choice is itself.
-
-  Raises:
-    ValueError: `impl` is not one of `choices`, or is 'fused_cpu' where it cannot run.
+  """What `field` = `impl` runs here: 'auto' is 'fused_cpu' on CPU where the kernels
+  build, else `fallback`. ValueError for an unknown `impl` or 'fused_cpu' where it cannot run.
   """
   if impl not in choices:
     raise ValueError(f"Unknown {field.rsplit('.', 1)[-1]} {impl!r}; expected one of {choices}.")

@@ -8,11 +8,8 @@
   maml.py       MAML++
   sequential.py the task-by-task scan of the three above, theta_t = update(theta_{t-1}, S(t))
 
-`build(config)` returns the method of `config.method`; training (train.py) and
-the evaluation protocol (evaluate.py) only call through that object, and
-`check_training_episodes` checks its training episodes against the loaded data
-before training compiles anything. Adding a method: a file here, its class in
-REGISTRY, its name in `config_validation.METHODS`, and a config.
+Adding a method: a file here, its class in REGISTRY, its name in
+`config_validation.METHODS`, and a config.
 """
 
 import ml_collections
@@ -53,14 +50,8 @@ def method_class(config: ml_collections.ConfigDict) -> type[Method]:
 
 
 def build(config: ml_collections.ConfigDict, num_train_classes: int | None = None) -> Method:
-  """The method of `config.method`.
-
-  Args:
-    config: the experiment config (the method keeps a frozen copy).
-    num_train_classes: classes of the training split, where a method's
-      parameters depend on it (the pretraining head of fine-tuning and EWC);
-      None to count them from the split scheme.
-  """
+  """The method of `config.method` (with a frozen copy of `config`); `num_train_classes`
+  sizes a pretraining head (None: from the split scheme)."""
   return method_class(config).from_config(ml_collections.FrozenConfigDict(config),
                                           num_train_classes)
 
@@ -70,11 +61,8 @@ def display_name(config: ml_collections.ConfigDict) -> str:
 
 
 def check_training_episodes(method: Method, dataset: dict) -> None:
-  """The sampler's rules against the loaded training split, before compiling.
-
-  Config validation knows class counts only from the config (the multi-domain
-  datasets' nominal counts); the loaded data may hold fewer classes.
-  """
+  """The sampler's rules against the loaded training split, before compiling: the
+  loaded data may hold fewer classes than the config's nominal counts."""
   if method.config.data.pipeline == 'host' or not hasattr(method, 'training_spec'):
     return  # The host pipeline checks its own split; sequential methods sample theirs.
   sizes = dataset.get('domain_sizes', {}).get('train', ())

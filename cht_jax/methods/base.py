@@ -2,26 +2,20 @@
 
 A method is a frozen dataclass built from a config by `methods.build`:
 
-  name, display_name   config.method, and how result tables print it
+  name, display_name   config.method, and its name in result tables
   max_eval_tasks       None, or the most tasks an evaluation episode may have
-  validation           'loss': the loss metrics of validation episodes;
-                       'protocol': the evaluation protocol, one query draw
-  batch_size           what one training step's batch is split over devices by
-  init(key)            the trained parameters at step 0
+  validation           'loss' (validation episodes' loss) or 'protocol' (one query draw)
+  batch_size           what a step's batch is split over devices by
+  init(key)            the parameters at step 0
   learning_rate(optim) an optax schedule, or None for the paper's decay
-  step_variant(step)   (static, inputs): what changes along training (MAML++'s
-                       phases): `static` picks the compiled step, `inputs` are
-                       arrays it takes
-  grads(params, data, key, ...)  one training step's mean gradient and metrics
-  episode_accuracies(params, episode, pairs, vectorize)
-                       (task-incremental [P], class-incremental [P]) of every
-                       pair (theta_t, task tau <= t) of one evaluation episode
+  step_variant(step)   (static, inputs): the compiled step and its arrays (MAML++'s phases)
+  grads(params, data, key, ...)  a step's mean gradient and metrics
+  episode_accuracies   accuracies of every (theta_t, tau <= t) of an evaluation episode
   trained_tasks(T_eval) the T beyond which theta_t extrapolates
 
-Two families share most of it, one class each below: `EpisodicMethod` (CHT,
-ConstPN, Merged HT: theta_t and frozen prototypes from the support sets, an
-episode loss) and `SequentialMethod` (fine-tuning, EWC, MAML++: theta_t
-learnt by gradient steps on S(t), scored by a K*T head).
+Two families: `EpisodicMethod` (CHT, ConstPN, Merged HT: theta_t and prototypes
+from the support sets, an episode loss) and `SequentialMethod` (fine-tuning,
+EWC, MAML++: theta_t learnt by gradient steps on S(t), scored by a K*T head).
 """
 
 import dataclasses
@@ -73,10 +67,8 @@ class Method:
 
 @dataclasses.dataclass(frozen=True)
 class EpisodicMethod(Method):
-  """theta_0..theta_{T-1} and prototypes from the support sets; Algorithm 1's loss.
-
-  Subclasses give `init`, `thetas_and_prototypes`, `episode_loss` and `cnn`.
-  """
+  """theta_t and prototypes from the support sets; Algorithm 1's loss. Subclasses give
+  `init`, `thetas_and_prototypes`, `episode_loss` and `cnn`."""
   validation = 'loss'
   task_incremental_score = 'task_incremental'
 
@@ -85,8 +77,8 @@ class EpisodicMethod(Method):
 
   def grads(self, params, data, key, *, mesh, variant=(), inputs=(), domain_sizes=(),
             host=False):
-    """Samples (or takes, with `host`) the step's episodes, augments them, and
-    averages the episode loss's gradient over them, split over `mesh`."""
+    """The mean episode-loss gradient of the step's episodes (sampled, or `data` with
+    `host`), augmented, split over `mesh`."""
     del variant, inputs  # One compiled step throughout (`Method.step_variant`).
     config = self.config
     spec = self.training_spec(domain_sizes)
@@ -95,11 +87,7 @@ class EpisodicMethod(Method):
     else:
       episodes = episodes_lib.sample_episodes(
           key, data, spec, config.train.episodes_per_step, rotate=config.data.rotate)
-      # Sampled whole on every device (a few ms per step), then split: with the
-      # batch's sharding propagated into it, XLA gathered the sampler's scores
-      # around its top-k, and two all-gathers in flight at once can hang
-      # XLA:CPU (each blocks one of the pool's threads, here 2, that the other
-      # device needs to reach them).
+      # Sampled whole on every device, then split: sharded, its all-gathers can hang XLA:CPU.
       episodes = jax.lax.with_sharding_constraint(episodes, jax.NamedSharding(mesh, jax.P()))
     episodes = augment_lib.augment_episodes(jax.random.fold_in(key, 1), episodes,
                                             datasets.augment_spec(config))
@@ -112,23 +100,9 @@ class EpisodicMethod(Method):
 
   def episode_accuracies(self, params, episode, pairs: continual.TaskPairs,
                          vectorize: bool = False):
-    """Accuracies of every (theta_t, tau <= t) pair on one evaluation episode.
-
-    Args:
-      params: the method's parameters.
-      episode: from `episodes.sample_evaluation_episode`: support [T, K*N, ...],
-        query_images [R, T, K*Q, H, W, C], query_labels [T, K*Q], and for
-        semi-supervised episodes unlabeled_images [T, K*U, H, W, C] (the
-        same for every draw).
-      pairs: `TaskPairs.lower_triangle(T)`.
-      vectorize: see `embed_query_draws`.
-
-    Returns:
-      (task_incremental [P], class_incremental [P]): mean over the R draws of
-      the accuracy on the K*Q queries of tau under theta_t, pair p = (t, tau).
-      With `task_incremental_score` 'cross_entropy' (CHT with loss=
-      'cross_entropy') the task-incremental accuracy is that of the head's K logits.
-    """
+    """(task_incremental [P], class_incremental [P]) of every (theta_t, tau <= t) pair,
+    means over the R query draws of an `episodes.sample_evaluation_episode` episode
+    (query_images [R, T, K*Q, H, W, C]); 'cross_entropy' scoring uses the head's logits."""
     thetas, prototypes = self.thetas_and_prototypes(
         params, episode['support_images'], episode['support_labels'], remat=False,
         **unlabeled_support(episode))
@@ -145,22 +119,10 @@ class EpisodicMethod(Method):
 
 def embed_query_draws(method, thetas, query_images: jax.Array, pairs: continual.TaskPairs,
                       vectorize: bool) -> jax.Array:
-  """Embeds every query draw of every task with every theta_t, t >= tau.
+  """Embeds every query draw of every task with every theta_t, t >= tau: [P, R, K*Q, D].
 
-  `continual.embed_queries` for each draw (each draw of Q(tau) is a batch of
-  its own for BatchNorm): on CPU, one draw and one pair at a time
-  (`vectorize=False`) keeps each batch in cache and runs faster than
-  vmapping them (docs/evaluation.md); accelerators want everything vmapped.
-
-  Args:
-    method: its `.cnn` is applied.
-    thetas: theta_0..theta_{T-1}, leaves with a leading T axis.
-    query_images: [R, T, K*Q, H, W, C].
-    pairs: `TaskPairs.lower_triangle(T)`.
-    vectorize: vmap over pairs and draws instead of looping.
-
-  Returns:
-    [P, R, K*Q, D].
+  Each draw of Q(tau) [R, T, K*Q, H, W, C] is a BatchNorm batch of its own;
+  `vectorize` vmaps over pairs and draws, else loops (faster on CPU).
   """
   embed_draw = lambda images: continual.embed_queries(
       method.cnn, thetas, images, pairs, remat=False, vectorize=vectorize)
@@ -171,8 +133,7 @@ def embed_query_draws(method, thetas, query_images: jax.Array, pairs: continual.
 
 def unlabeled_support(episode) -> dict[str, jax.Array]:
   """{'unlabeled_images': [T, K*U, H, W, C]} of a semi-supervised episode, else {}:
-  keyword arguments of `thetas_and_prototypes`, which only methods that take
-  unlabeled images (CHT) are given (config validation rejects the others)."""
+  keyword arguments of `thetas_and_prototypes` (only CHT takes them)."""
   if 'unlabeled_images' in episode:
     return {'unlabeled_images': episode['unlabeled_images']}
   return {}
@@ -195,10 +156,8 @@ def loss_over_pairs(method, params, episode, loss: str, remat: bool,
 
 @dataclasses.dataclass(frozen=True)
 class SequentialMethod(Method):
-  """theta_t = update(theta_{t-1}, S(t)) by gradient steps; a K*T head scores it.
-
-  Subclasses give `init`, `grads` and `sequence_learner`.
-  """
+  """theta_t = update(theta_{t-1}, S(t)) by gradient steps, scored by a K*T head.
+  Subclasses give `init`, `grads` and `sequence_learner`."""
   validation = 'protocol'
 
   def episode_accuracies(self, params, episode, pairs: continual.TaskPairs,

@@ -1,8 +1,6 @@
 """ConstPN: one CNN with trained parameters, theta_t = params for every t (paper section 5.2).
 
-A prototypical network trained on single tasks of `constpn_ways_multiplier` x K
-ways (100-way for 20-way Omniglot), evaluated on K-way tasks. Its parameters
-have exactly the structure of a generated theta (`zeros_theta(cnn, ...)`).
+A prototypical network trained on tasks of `constpn_ways_multiplier` x K ways.
 """
 
 import dataclasses

@@ -1,15 +1,9 @@
 """EWC (Kirkpatrick et al., 2017): fine-tuning (finetune.py) plus a penalty on earlier tasks.
 
-After task tau the network theta*_tau and the diagonal Fisher F_tau of its
-log-likelihood on S(tau) are kept; learning task t then minimises
+After task tau, theta*_tau and the diagonal Fisher F_tau of its log-likelihood
+on S(tau) are kept; learning task t then minimises
   L_t(theta) + lambda/2 * sum_{tau < t} sum_i F_tau,i (theta_i - theta*_tau,i)^2,
-one penalty per earlier task, as in the original. The Fishers and anchors of
-an episode are stacked on a leading T axis; tasks not yet seen have F = 0 and
-add nothing, so the carry of the scan has a fixed shape.
-
-The CNN normalises with the statistics of the whole support batch, so the
-log-likelihood of one sample depends on the others; "per-sample" gradients
-below are gradients of sample n's log-likelihood under the batch forward pass.
+one penalty per earlier task, as in the original; unseen tasks have F = 0.
 """
 
 import dataclasses
@@ -27,12 +21,8 @@ Theta = Any
 
 
 def penalty(theta: Theta, fishers: Theta, anchors: Theta, ewc_lambda: float) -> jax.Array:
-  """lambda/2 * sum_tau sum_i F_tau,i (theta_i - theta*_tau,i)^2.
-
-  Args:
-    theta: the parameters.
-    fishers, anchors: theta's structure, leaves [T, *leaf shape].
-  """
+  """lambda/2 * sum_tau sum_i F_tau,i (theta_i - theta*_tau,i)^2; `fishers`, `anchors`:
+  theta's structure, leaves [T, *leaf shape]."""
   terms = jax.tree.map(lambda p, f, a: jnp.sum(f * jnp.square(p[None] - a)),
                        theta, fishers, anchors)
   return 0.5 * ewc_lambda * sum(jax.tree.leaves(terms))
@@ -42,16 +32,9 @@ def fisher_diagonal(log_probs_fn: Callable[[Theta], jax.Array], theta: Theta,
                     targets: jax.Array, kind: str = 'empirical') -> Theta:
   """Diagonal Fisher of a batch's log-likelihood at theta, mean over the S samples.
 
-  Args:
-    log_probs_fn: theta -> [S, M] log-probabilities.
-    targets: [S] observed classes (for 'empirical').
-    kind: 'empirical': F = mean_n (d log p(y_n | x_n) / d theta)^2 with the
-      observed labels; 'true': F = mean_n sum_m p(m | x_n) (d log p(m | x_n) /
-      d theta)^2, the expectation under the model (the original EWC), one
-      backward sweep per output m (classes with p = 0 add nothing).
-
-  Returns:
-    A pytree like theta.
+  `log_probs_fn`: theta -> [S, M]. `kind` 'empirical': F = mean_n (d log p(y_n | x_n)
+  / d theta)^2 with `targets` [S]; 'true' (the original EWC): F = mean_n sum_m
+  p(m | x_n) (d log p(m | x_n) / d theta)^2, one sweep per output m.
   """
   if kind == 'empirical':
     per_sample = lambda th: jnp.take_along_axis(log_probs_fn(th), targets[:, None], -1)[:, 0]
@@ -109,5 +92,5 @@ class EWC(finetune.Finetune):
   def update_rule(self, cnn, num_tasks: int, theta):
     b = self.config.baseline
     rule = ewc_rule(cnn, self.config.episode.ways, b.inner_steps,
-                          b.inner_learning_rate, b.ewc_lambda, b.ewc_fisher)
+                    b.inner_learning_rate, b.ewc_lambda, b.ewc_fisher)
     return rule, init_state(theta, num_tasks)

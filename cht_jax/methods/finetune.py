@@ -1,12 +1,8 @@
 """Pretraining + fine-tuning: the Table 1 baseline that fine-tunes a pretrained CNN.
 
-Training pretrains `models.cnn.CNN` with a head over all C training classes
-(config.train.num_steps batches of baseline.pretrain_batch_size images, sampled
-on the device from the uint8 class images, as training does for CHT).
-Evaluation keeps its conv blocks (and BatchNorm scales and offsets), replaces
-the head by a fresh K*T one (`fresh_head`) and fine-tunes it task after task:
-baseline.inner_steps SGD steps of baseline.inner_learning_rate on each S(t)
-(`finetune_rule`, run by sequential.py). EWC (ewc.py) adds its penalty.
+Training pretrains the CNN with a head over all C training classes. Evaluation
+replaces the head by a fresh K*T one (`fresh_head`) and fine-tunes task after
+task: baseline.inner_steps SGD steps on each S(t) (`finetune_rule`).
 """
 
 import dataclasses
@@ -30,11 +26,7 @@ HEAD_INITS = ('zeros', 'glorot')
 
 
 def build_cnn(config: ml_collections.ConfigDict, num_outputs: int) -> cnn_lib.CNN:
-  """The config's CNN (channels, blocks, conv implementation) with `num_outputs` logits.
-
-  MAML++ differentiates through its inner loop (second order), which the fused
-  CPU kernel cannot: 'auto' gives 'patches' there.
-  """
+  """The config's CNN with `num_outputs` logits ('patches' for MAML++'s second order)."""
   model = config.model
   conv_impl = ops.resolve_conv_impl(model.conv_impl, second_order=config.method == 'maml')
   return cnn_lib.CNN(channels=(model.channels,) * model.num_blocks,
@@ -43,21 +35,14 @@ def build_cnn(config: ml_collections.ConfigDict, num_outputs: int) -> cnn_lib.CN
 
 
 def init_theta(cnn: cnn_lib.CNN, key: jax.Array, image_shape: tuple[int, int, int]) -> Any:
-  """Glorot kernels, BatchNorm scale 1 and offset 0, zero head bias, for images of
-  `image_shape` (H, W, channels)."""
+  """Initial params for [H, W, C] images: Glorot kernels, BatchNorm 1 and 0, zero bias."""
   return cnn.init(key, jnp.zeros((1, *image_shape)))['params']
 
 
 def sample_batch(key: jax.Array, class_images: jax.Array, batch_size: int, rotate: bool):
-  """B random (class, image) pairs of the split, with replacement.
-
-  Args:
-    class_images: uint8 [C, M, H, W, D].
-    rotate: rotate each image by a random multiple of 90 degrees (keeping its
-      label), the augmentation CHT's episodes use.
-
-  Returns:
-    (images float32 [B, H, W, D] scaled x/128 - 1, labels int32 [B] in 0..C-1).
+  """B random (class, image) pairs of uint8 `class_images` [C, M, H, W, D], with
+  replacement, each rotated by a random multiple of 90 degrees if `rotate`:
+  (images float32 [B, H, W, D] scaled x/128 - 1, labels int32 [B] in 0..C-1).
   """
   num_classes, num_images = class_images.shape[:2]
   class_key, image_key, rotate_key = jax.random.split(key, 3)
@@ -77,12 +62,8 @@ def batch_loss(cnn: cnn_lib.CNN, theta: Any, images: jax.Array, labels: jax.Arra
 
 def fresh_head(theta: Any, num_outputs: int, init: str = 'zeros',
                key: jax.Array | None = None) -> Any:
-  """theta with its head replaced by a new one of `num_outputs` logits.
-
-  Args:
-    init: 'zeros' (kernel and bias 0: every class starts equally likely) or
-      'glorot' (Glorot-uniform kernel from `key`, zero bias).
-  """
+  """theta with a fresh head of `num_outputs` logits: zero bias, kernel `init`
+  'zeros' or 'glorot' (from `key`)."""
   in_dim = theta['head']['kernel'].shape[0]
   dtype = theta['head']['kernel'].dtype
   if init == 'zeros':
@@ -114,8 +95,7 @@ class Finetune(base.SequentialMethod):
 
   @classmethod
   def from_config(cls, config, num_train_classes=None) -> 'Finetune':
-    """`num_train_classes`: C of the dataset trained on; None takes the training
-    split's of `data.dataset` from the config (no data is read)."""
+    """`num_train_classes`: C of the training split; None reads it from the config."""
     if num_train_classes is None:
       num_train_classes = config_validation.nominal_split_classes(config)['train'][0]
     return cls(config, num_train_classes=num_train_classes)
@@ -132,8 +112,7 @@ class Finetune(base.SequentialMethod):
     cnn, b = self.pretraining_cnn(), self.config.baseline
 
     def loss_fn(params):
-      images, labels = sample_batch(key, data, b.pretrain_batch_size,
-                                             self.config.data.rotate)
+      images, labels = sample_batch(key, data, b.pretrain_batch_size, self.config.data.rotate)
       loss, accuracy = batch_loss(cnn, params, images, labels)
       return loss, {'loss': loss, 'accuracy': accuracy}
 
@@ -147,7 +126,7 @@ class Finetune(base.SequentialMethod):
     del num_tasks, theta
     b = self.config.baseline
     return finetune_rule(cnn, self.config.episode.ways, b.inner_steps,
-                               b.inner_learning_rate), ()
+                         b.inner_learning_rate), ()
 
   def sequence_learner(self, params, num_tasks: int):
     """(cnn with a K*num_tasks head, learn(support_images [T, S, ...], support_labels
@@ -155,7 +134,7 @@ class Finetune(base.SequentialMethod):
     num_outputs = self.config.episode.ways * num_tasks
     cnn = build_cnn(self.config, num_outputs)
     theta = fresh_head(params, num_outputs, self.config.baseline.head_init,
-                                jax.random.fold_in(jax.random.key(self.config.seed), 1))
+                       jax.random.fold_in(jax.random.key(self.config.seed), 1))
     rule, state = self.update_rule(cnn, num_tasks, theta)
     return cnn, lambda images, labels: sequential.run_sequence(rule, theta, state, images,
                                                                labels)

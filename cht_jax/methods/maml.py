@@ -1,36 +1,16 @@
 """MAML++ (Antoniou et al., 2019) run continually over the tasks of an episode.
 
-Meta-trained on episodes of the training classes for config.train.num_steps
-steps: first order for the first baseline.maml_first_order_steps, with the
-multi-step loss for the first baseline.maml_msl_anneal_steps, the meta rate
-annealed by cosine to baseline.maml_min_learning_rate. Evaluation runs its
-inner loop task after task on a K*T head.
-
 Meta-parameters: theta^0, a CNN with a K*T head (class k of task t is output
 t*K + k), and, with LSLR, one inner learning rate per parameter tensor and per
 inner step. For an episode, theta_{-1} = theta^0 and task t runs k inner steps
   theta_t^{(j+1)} = theta_t^{(j)} - lr[leaf, j] * grad L_{S(t)}(theta_t^{(j)}),
   theta_t^{(0)} = theta_{t-1},  theta_t = theta_t^{(k)},
-with L_{S(t)} the support cross-entropy over the classes of tasks 0..t (the
-same rule as fine-tuning, `sequential.support_loss`). The outer loss mirrors
-CHT's Algorithm 1: sum over t and tau <= t of the class-incremental
-cross-entropy of Q(tau) under theta_t; with the multi-step loss, each term is
-the weighted sum over the inner steps j of theta_t^{(j)}.
-
-MAML++ features implemented:
-  * LSLR, learned per-layer (per parameter tensor) per-step inner rates
-    (`baseline.maml_learn_inner_lr`; False keeps them fixed);
-  * multi-step loss with MAML++'s annealed importance weights
-    (`baseline.maml_multi_step_loss`, `baseline.maml_msl_anneal_steps`);
-  * derivative-order annealing: first order for the first
-    `baseline.maml_first_order_steps` meta-steps, second order after;
-  * cosine annealing of the meta-optimiser's learning rate
-    (`baseline.maml_cosine_annealing`, down to `baseline.maml_min_learning_rate`).
-Not implemented: per-step BatchNorm running statistics (BNRS; our CNN always
-normalises with the batch's own statistics, as CHT's does, so there are no
-running statistics) and per-step BatchNorm weights and biases (BNWB; the
-scales and offsets are meta-learned but shared across steps); MAML++'s
-weight-decay of the meta-parameters.
+with L_{S(t)} the support cross-entropy over tasks 0..t's classes. The outer
+loss mirrors CHT's Algorithm 1: sum over t and tau <= t of the class-incremental
+cross-entropy of Q(tau) under theta_t (with the multi-step loss, over steps j).
+Implemented (config.baseline.maml_*): LSLR, the annealed multi-step loss,
+derivative-order and cosine annealing. Not: per-step BatchNorm statistics
+(BNRS; ours are the batch's own) and weights (BNWB), and weight decay.
 """
 
 import dataclasses
@@ -50,6 +30,7 @@ from cht_jax.methods import finetune
 from cht_jax.methods import sequential
 from cht_jax.models import cnn as cnn_lib
 from cht_jax.runtime import devices
+
 
 def init_params(theta: Any, num_steps: int, inner_learning_rate: float) -> dict:
   """{'theta': theta^0, 'lslr': leaves [num_steps], all `inner_learning_rate`}."""
@@ -78,13 +59,8 @@ def learn(cnn: cnn_lib.CNN, params: dict, support_images: jax.Array, support_lab
 
 
 def multi_step_weights(step: int, num_steps: int, anneal_steps: int) -> np.ndarray:
-  """MAML++'s per-step loss importance at meta-step `step`: float32 [num_steps].
-
-  Uniform 1/k at step 0; the non-final weights fall linearly to 0.03/k over
-  `anneal_steps` while the final one grows (as MAML++'s
-  `get_per_step_loss_importance_vector`, with meta-steps for epochs); from
-  `anneal_steps` on, only the final step counts.
-  """
+  """MAML++'s `get_per_step_loss_importance_vector` (meta-steps for epochs): float32 [k],
+  uniform at step 0, annealed towards the final step only from `anneal_steps`."""
   k = num_steps
   if step >= anneal_steps:
     return np.eye(k, dtype=np.float32)[-1]
@@ -101,15 +77,9 @@ def episode_loss(cnn: cnn_lib.CNN, params: dict, episode: dict, ways: int, num_s
                  learn_inner_lr: bool = True):
   """The meta-loss of one episode and its metrics.
 
-  Args:
-    episode: support_images [T, S, H, W, C], support_labels [T, S],
-      query_images [T, Q, H, W, C], query_labels [T, Q].
-    step_weights: [k] multi-step loss weights, or None for the final step only.
-
-  Returns:
-    (loss, metrics): loss = sum_t sum_{tau<=t} sum_j w_j CE(Q(tau); theta_t^{(j)});
-    metrics 'loss', 'accuracy' (class-incremental, final inner step, mean
-    over the pairs) and 'final_accuracy' (theta_{T-1} on every task).
+  `step_weights`: [k] multi-step loss weights, or None for the final step only.
+  loss = sum_t sum_{tau<=t} sum_j w_j CE(Q(tau); theta_t^{(j)}); metric 'accuracy'
+  is class-incremental at the final inner step, 'final_accuracy' theta_{T-1}'s.
   """
   num_tasks = episode['support_images'].shape[0]
   pairs = continual.TaskPairs.lower_triangle(num_tasks)
@@ -149,7 +119,8 @@ class MAML(base.SequentialMethod):
 
   @property
   def cnn(self):
-    return finetune.build_cnn(self.config, self.config.episode.ways * self.config.episode.num_tasks)
+    return finetune.build_cnn(self.config,
+                              self.config.episode.ways * self.config.episode.num_tasks)
 
   def init(self, key) -> Any:
     b = self.config.baseline

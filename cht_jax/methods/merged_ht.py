@@ -1,12 +1,8 @@
 """Merged HT: one plain HT given the T tasks of an episode at once as one K*T-way task.
 
-Task tau's class k is merged label tau*K + k (theta_{-1} = 0). Its theta serves
-every t and its prototypes come from the merged support batch; it is trained
-with the class-incremental cross-entropy of every task's queries over all K*T
-classes. Only the class-incremental accuracy of theta_{T-1} on tasks 0..T-1 is
-the Merged HT baseline of the paper (its stars in Figure 4); the entries for
-t < T-1 use a theta that has seen the later tasks' support sets. It cannot be
-evaluated on more tasks than trained.
+Task tau's class k is merged label tau*K + k (theta_{-1} = 0); the one theta
+serves every t. Only the class-incremental accuracy of theta_{T-1} on tasks
+0..T-1 is the paper's Merged HT baseline (the stars of Figure 4).
 """
 
 import dataclasses

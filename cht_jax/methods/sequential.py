@@ -1,17 +1,9 @@
 """One continual mechanism for the gradient-based baselines: theta_t = update(theta_{t-1}, S(t)).
 
-The network is `models.cnn.CNN` whose final dense layer is a classification
-head with K*T outputs: class k of task t is output t*K + k. After task t the
-classes seen so far are those of tasks 0..t, outputs 0..(t+1)K-1.
-
-  class-incremental accuracy of theta_t on the queries of tau <= t: argmax over
-      the outputs of tasks 0..t, target tau*K + y;
-  task-incremental: argmax over the K outputs of task tau.
-
-`run_sequence` is the `jax.lax.scan` over the T tasks of one episode, with the
-update rule plugged in (finetune.py, ewc.py, maml.py); `episode_accuracies` scores every
-theta_t on every query draw of every task tau <= t, as evaluate.py does for CHT.
-Everything is for one episode; vmap or lax.map over episodes.
+The CNN's final layer is a K*T-way head: class k of task t is output t*K + k.
+Class-incremental accuracy of theta_t on Q(tau): argmax over tasks 0..t's
+outputs; task-incremental: over task tau's K. `run_sequence` scans one
+episode's T tasks with an update rule (finetune.py, ewc.py, maml.py).
 """
 
 from typing import Any, Callable
@@ -24,8 +16,7 @@ from cht_jax import losses
 from cht_jax.models import cnn as cnn_lib
 
 Theta = Any  # The `params` pytree of a `cnn_lib.CNN` with a K*T head.
-# update(theta_{t-1}, state, support_images [S, H, W, C], support_labels [S], t)
-#   -> (theta_t, state, output); `output` is what `run_sequence` stacks over t.
+# update(theta_{t-1}, state, images [S, H, W, C], labels [S], t) -> (theta_t, state, output).
 UpdateFn = Callable[[Theta, Any, jax.Array, jax.Array, jax.Array], tuple[Theta, Any, Any]]
 
 
@@ -46,11 +37,7 @@ def mask_logits(logits: jax.Array, mask: jax.Array) -> jax.Array:
 
 def seen_log_probs(cnn: cnn_lib.CNN, theta: Theta, images: jax.Array, t,
                    ways: int) -> jax.Array:
-  """Log-softmax over the classes of tasks 0..t: [S, H, W, C] -> [S, T*K].
-
-  BatchNorm uses the statistics of `images` (the whole batch), as everywhere.
-  Outputs of later tasks get log-probability ~ -1e30 (probability 0).
-  """
+  """Log-softmax over the classes of tasks 0..t: [S, H, W, C] -> [S, T*K] (later: ~-1e30)."""
   logits = cnn.apply({'params': theta}, images)
   mask = seen_classes_mask(t, logits.shape[-1], ways)
   return jax.nn.log_softmax(mask_logits(logits, mask), axis=-1)
@@ -58,11 +45,7 @@ def seen_log_probs(cnn: cnn_lib.CNN, theta: Theta, images: jax.Array, t,
 
 def support_loss(cnn: cnn_lib.CNN, theta: Theta, images: jax.Array, labels: jax.Array, t,
                  ways: int) -> jax.Array:
-  """Mean cross-entropy of task t's support set over the classes seen so far.
-
-  Args:
-    images: [S, H, W, C]; labels: [S] in 0..K-1 (task t's own labels).
-  """
+  """Mean cross-entropy of task t's support set (labels [S] in 0..K-1) over the seen classes."""
   logits = cnn.apply({'params': theta}, images)
   logits = mask_logits(logits, seen_classes_mask(t, logits.shape[-1], ways))
   return losses.cross_entropy_and_accuracy(logits, t * ways + labels)[0]
@@ -72,14 +55,8 @@ def sgd_steps(loss_fn: Callable[[Theta], jax.Array], theta: Theta, learning_rate
               num_steps: int, first_order: bool = False):
   """`num_steps` steps of theta <- theta - lr_j * grad loss_fn(theta), as a scan.
 
-  Args:
-    loss_fn: theta -> scalar.
-    learning_rates: a scalar (plain SGD), or a pytree with theta's structure
-      whose leaves are [num_steps] (MAML++'s per-layer per-step rates, LSLR).
-    first_order: stop gradients through the inner gradients (first-order MAML).
-
-  Returns:
-    (theta after the last step, every step's theta with leaves [num_steps, ...]).
+  `learning_rates`: a scalar, or theta's structure with leaves [num_steps] (LSLR).
+  Returns (the last theta, every step's theta with leaves [num_steps, ...]).
   """
   if jax.tree.structure(learning_rates) != jax.tree.structure(theta):  # One rate for all.
     learning_rates = jax.tree.map(
@@ -99,15 +76,9 @@ def run_sequence(update: UpdateFn, theta: Theta, state: Any, support_images: jax
                  support_labels: jax.Array):
   """theta_t = update(theta_{t-1}, S(t)) for t = 0..T-1, one `lax.scan`.
 
-  Args:
-    update: the rule (see `UpdateFn`); `state` is its carry besides theta
-      (EWC's Fishers and anchors; () for plain fine-tuning).
-    theta: theta_{-1}, the starting network.
-    support_images: [T, S, H, W, C]; support_labels: [T, S] in 0..K-1.
-
-  Returns:
-    The `output` of every task stacked on a leading T axis (theta_t for
-    fine-tuning and EWC: leaves [T, ...]).
+  `state` is the rule's carry besides theta (EWC's Fishers and anchors; () for
+  fine-tuning); support_images [T, S, H, W, C], support_labels [T, S] in 0..K-1.
+  Returns every task's `output` stacked on a leading T axis.
   """
   def step(carry, task):
     theta, state = carry
@@ -122,14 +93,8 @@ def run_sequence(update: UpdateFn, theta: Theta, state: Any, support_images: jax
 
 
 def pair_accuracies(logits: jax.Array, labels: jax.Array, t, tau, ways: int):
-  """Task- and class-incremental accuracy of theta_t on the queries of task tau.
-
-  Args:
-    logits: [Q, T*K], the queries of tau under theta_t; labels: [Q] in 0..K-1.
-
-  Returns:
-    (task_incremental, class_incremental), scalars.
-  """
+  """(task-incremental, class-incremental) accuracy of theta_t's logits [Q, T*K] on
+  Q(tau), labels [Q] in 0..K-1."""
   num_outputs = logits.shape[-1]
   targets = tau * ways + labels
   hit = lambda mask: jnp.mean(jnp.argmax(mask_logits(logits, mask), axis=-1) == targets)
@@ -142,12 +107,9 @@ def episode_accuracies(cnn: cnn_lib.CNN, thetas: Theta, query_images: jax.Array,
                        vectorize: bool = False):
   """Scores every theta_t on every query draw of every task tau <= t.
 
-  Each draw of Q(tau) is a batch of its own for BatchNorm, as for CHT.
-
   Args:
     thetas: leaves [T, ...] from `run_sequence`.
-    query_images: [R, T, K*Q, H, W, C]; query_labels: [T, K*Q].
-    pairs: `continual.TaskPairs.lower_triangle(T)`.
+    query_images: [R, T, K*Q, H, W, C] (each draw a BatchNorm batch); query_labels: [T, K*Q].
     vectorize: vmap over pairs and draws (accelerators) instead of looping (CPU).
 
   Returns:

@@ -6,21 +6,14 @@ import ml_collections
 
 from cht_jax.models.hypertransformer import HyperTransformer
 
-# What a run whose saved config (config.json) predates these fields had: they were
-# added as options that were off. Only for reading such a config; a config file
-# (configs/) sets every field.
+# Values (all off) of fields that an older saved config.json lacks; configs/ sets every field.
 SAVED_BEFORE_THE_FIELD = {'head_scale': 0.0, 'learned_base': 0.0, 'feature_norm': False,
                           'trained_layers': 0, 'compute_dtype': 'float32'}
 
 
 def build_hypertransformer(config: ml_collections.ConfigDict) -> HyperTransformer:
-  """The weight generator (and, through `.cnn`, the CNN it fills) of a config.
-
-  Every field of `config.model` that `HyperTransformer` has reaches it as it
-  is, except `channels`: one width there, repeated `num_blocks` times here.
-  `num_ways` comes from the episode. The other fields of `config.model`
-  (`num_blocks`, `remat`, `vectorize`) configure training, not the module.
-  """
+  """The weight generator (and, through `.cnn`, the CNN it fills) of a config: the
+  `config.model` fields it has, `channels` repeated `num_blocks` times."""
   model = config.model
   fields = {field.name for field in dataclasses.fields(HyperTransformer)}
   settings = dict(SAVED_BEFORE_THE_FIELD)

@@ -2,16 +2,8 @@
 
 Four blocks of 3x3 conv (stride 1, `same`, no bias) -> ReLU -> 2x2 max-pool ->
 BatchNorm on the statistics of the batch it is applied to, then flatten (NHWC)
-and a dense embedding layer.
-
-The same `CNN` module serves two ways of filling it: the HyperTransformer emits
-a pytree with exactly the structure of its `params` (so a generated network
-runs as `cnn.apply({'params': theta}, images)`), and ConstPN trains it as an
-ordinary network. The pure functions below hold the math once; both the module
-and the weight generator (which pushes the support batch through each freshly
-generated block) call them.
-
-Parameter pytree (`theta`), for `channels=(8, 8, 8, 8)`, 28x28x1 inputs:
+and a dense embedding layer. The pure functions hold the math for the module and
+the HyperTransformer, which emits its `params` (`theta`); for 28x28x1 inputs:
   block_0/kernel [3, 3, 1, 8] ... block_3/kernel [3, 3, 8, 8]   (generated)
   block_i/scale [8], block_i/bias [8]    (BatchNorm; trained and shared by default)
   head/kernel [8, 20], head/bias [20]    (generated)
@@ -32,9 +24,7 @@ BATCH_NORM_EPSILON = 1e-3
 def max_pool_2x2(x: jax.Array) -> jax.Array:
   """2x2 max-pool, stride 2, `valid` padding: [N, H, W, C] -> [N, H//2, W//2, C].
 
-  Written as a reshape and a max rather than `reduce_window`: same numbers,
-  and its gradient avoids `select_and_scatter`, which XLA:CPU runs slowly.
-  """
+  Not `reduce_window`, whose gradient is XLA:CPU's slow `select_and_scatter`."""
   n, h, w, c = x.shape
   x = x[:, :h // 2 * 2, :w // 2 * 2, :]
   return x.reshape(n, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
@@ -42,14 +32,7 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
 
 def batch_stat_norm(x: jax.Array, scale: jax.Array, bias: jax.Array,
                     epsilon: float = BATCH_NORM_EPSILON) -> jax.Array:
-  """BatchNorm with the statistics of `x` itself (no running averages).
-
-  Args:
-    x: [N, ..., C] ([N, H, W, C] in the CNN); mean and variance are taken
-      over every axis but the last.
-    scale, bias: [C].
-    epsilon: added to the variance.
-  """
+  """BatchNorm with the statistics of `x` [N, ..., C] over all but its last axis."""
   axes = tuple(range(x.ndim - 1))
   mean = jnp.mean(x, axis=axes)
   var = jnp.mean(jnp.square(x - mean), axis=axes)
@@ -60,12 +43,8 @@ def conv_block(x: jax.Array, block: dict, conv_impl: str,
                compute_dtype: str = 'float32') -> jax.Array:
   """conv -> ReLU -> max-pool -> BatchNorm: [N, H, W, C_in] -> [N, H//2, W//2, C_out].
 
-  `block` holds 'kernel' [k, k, C_in, C_out], 'scale' and 'bias' [C_out]; the
-  conv computes in `compute_dtype` (`ops.conv2d`), the rest in float32.
-  Where `conv_impl` resolves to 'fused_cpu' (`ops.resolve_conv_impl`) and the
-  kernel takes these shapes, the block runs as one C++ call each way instead
-  (`cht_jax.kernels.cpu.conv_block`), which must equal what follows; 'auto'
-  runs 'patches' where it does not take them.
+  `block`: 'kernel' [k, k, C_in, C_out], 'scale', 'bias' [C_out]. Under 'fused_cpu'
+  one C++ call each way (`kernels.cpu.conv_block`); 'auto' falls back to 'patches'.
   """
   if ops.resolve_conv_impl(conv_impl) == 'fused_cpu':
     from cht_jax.kernels.cpu import conv_block as cpu_kernel  # pylint: disable=g-import-not-at-top
@@ -130,15 +109,8 @@ class Head(nn.Module):
 
 
 class CNN(nn.Module):
-  """The embedding network whose weights the HyperTransformer generates.
-
-  Attributes:
-    channels: output channels of each conv block.
-    embedding_dim: width of the final dense layer (an embedding for the
-      prototypical loss, K logits for cross-entropy).
-    conv_impl, compute_dtype: see `ops.conv2d`.
-    kernel_size: conv kernel size (3 in the paper).
-  """
+  """The embedding network whose weights the HyperTransformer generates; the final
+  layer's `embedding_dim` outputs are K logits under the cross-entropy loss."""
   channels: Sequence[int]
   embedding_dim: int
   conv_impl: str = 'patches'

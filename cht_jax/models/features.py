@@ -26,11 +26,8 @@ class Conv(nn.Module):
 
 
 class ImageFeatureExtractor(nn.Module):
-  """Shared by all generated layers; runs once on the raw support images.
-
-  4 convs 3x3, `same` padding, stride 2 except the last (stride 1), ReLU after
-  each, then a global spatial mean: [N, H, W, C] -> [N, features].
-  """
+  """Shared by all generated layers: 3x3 `same` convs, stride 2 but the last, ReLU
+  after each, then the spatial mean: [N, H, W, C] -> [N, features]."""
   features: int
   num_layers: int = 4
   kernel_size: int = 3
@@ -49,13 +46,9 @@ class ImageFeatureExtractor(nn.Module):
 
 
 def activation_conv_plan(input_size: int, num_layers: int, kernel_size: int = 3):
-  """(kernel, stride) of each conv the activation extractor applies to a map.
-
-  As in the original HT code: where the map is smaller than the kernel, the
-  kernel shrinks to the map's size and the stride becomes 1; the convs use
-  stride 2 except the last, and a conv is skipped once the map has become
-  smaller than the kernel.
-  """
+  """(kernel, stride) of each activation extractor conv, as in the original HT code:
+  a map smaller than the kernel shrinks the kernel (stride 1); else stride 2 but
+  for the last conv; convs stop once the map is smaller than the kernel."""
   if input_size < kernel_size:
     kernel_size, default_stride = input_size, 1
   else:
@@ -71,12 +64,8 @@ def activation_conv_plan(input_size: int, num_layers: int, kernel_size: int = 3)
 
 
 class ActivationFeatureExtractor(nn.Module):
-  """Per-layer features of the activations entering a generated layer.
-
-  `valid` convs (see `activation_conv_plan`) with ReLU between them; each conv's
-  pre-ReLU output is averaged over space and the averages are concatenated:
-  [N, H, W, C] -> [N, features * number of convs applied].
-  """
+  """Per-layer features of a generated layer's input: `valid` convs (`activation_conv_plan`)
+  with ReLU between, each pre-ReLU spatial mean concatenated: -> [N, features * convs]."""
   features: int
   num_layers: int = 2
   kernel_size: int = 3
@@ -93,8 +82,3 @@ class ActivationFeatureExtractor(nn.Module):
       outputs.append(jnp.mean(x, axis=(1, 2)))
       x = jax.nn.relu(x)
     return jnp.concatenate(outputs, axis=-1)
-
-  @staticmethod
-  def output_dim(input_size: int, features: int, num_layers: int,
-                 kernel_size: int = 3) -> int:
-    return features * len(activation_conv_plan(input_size, num_layers, kernel_size))

@@ -1,31 +1,19 @@
 """Layer-by-layer weight generation: support set (+ theta_{t-1}) in, CNN weights out.
 
-The paper's section 4 ("Continual HyperTransformer", eq. 1, Figure 2) with
-the HT setup of its "Experiments". Each generated layer has its own activation
-feature extractor, label and weight embeddings and transformer; only the image
-feature extractor is shared. Layer l reads the support activations that come
-out of the layers generated before it; once its weights exist the support
-batch is pushed through it to feed layer l+1.
+The paper's section 4 ("Continual HyperTransformer", eq. 1, Figure 2) with the
+HT setup of its "Experiments". Each generated layer has its own activation
+feature extractor, label and weight embeddings and transformer; the image
+feature extractor is shared.
 
-Tokens of layer l (width E = max(emb + block, emb + features)):
+Tokens of layer l (width E = max(emb + block, emb + features)), weight tokens first:
   weight token i:  [weight_embedding(i) | slice i of theta_{t-1} | 0 ...]
   support token:   [label_embedding(y) | activation features | image features | 0 ...]
-Weight tokens first, then support tokens. The output at weight token i, from
-position `embedding_dim` on, is slice i of the new layer ("per output channel"
-allocation: one token per output channel of a conv, per output unit of the
-dense head).
-
-With theta_{t-1} = 0 the weight tokens are those of the original HT, so one
-module serves HT (T = 1) and CHT. Putting the slice of theta_{t-1} where HT puts
-zeros is our reading of the paper (the CHT code is unpublished).
-
-Unlabeled support images (HT's semi-supervised setting) add one sample token
-each after the labelled ones, built the same way but with the (K+1)-th label
-embedding, the one for "unlabeled". They go through the generated layers as a
-BatchNorm batch of their own, as every query set does, so the labelled
-support activations, embeddings and prototypes are computed exactly as
-without them: the unlabeled images reach theta_t only through the
-transformer's attention.
+The output at weight token i, from position `embedding_dim` on, is slice i of
+the new layer (one token per output channel or unit). With theta_{t-1} = 0 the
+tokens are the original HT's; putting theta_{t-1} there is our reading of the
+paper (the CHT code is unpublished). Unlabeled support images (semi-supervised
+HT) add tokens with the (K+1)-th label embedding; they are a BatchNorm batch of
+their own, so they reach theta_t only through attention.
 """
 
 import math
@@ -40,7 +28,7 @@ from cht_jax.models import features as features_lib
 from cht_jax.models import transformer as transformer_lib
 
 Theta = Any  # The `params` pytree of `cnn_lib.CNN`.
-# Small: the image features' spread over an Omniglot support set starts near 1e-3.
+# Small: at initialisation the image features barely vary over a support set.
 FEATURE_NORM_EPSILON = 1e-8
 _glorot = nn.initializers.glorot_uniform()  # As `cnn_lib.CNN` initialises its kernels.
 
@@ -75,60 +63,24 @@ def slices_to_head(rows: jax.Array) -> dict:
 
 
 class HyperTransformer(nn.Module):
-  """Generates the weights of `cnn_lib.CNN` for one task.
-
-  Its fields are the model's settings; `models.build_hypertransformer` sets
-  them from the config's fields of the same names, and each layer's
-  transformer takes those that are `transformer.Encoder`'s. The values,
-  the paper's among them, are written once, in the config
-  (configs/omniglot_base.py): the fields the config sets have no default.
+  """Generates the weights of `cnn_lib.CNN` for one task; fields as the config's
+  (configs/omniglot_base.py), each layer's transformer taking `transformer.Encoder`'s.
 
   Attributes:
     num_ways: K, classes per task (K + 1 label embeddings, the last unlabeled).
-    channels, cnn_embedding_dim, kernel_size, conv_impl: the generated CNN.
-    compute_dtype: 'float32' (the paper), or 'bfloat16': every convolution (the
-      generated CNN's and the feature extractors') with bfloat16 operands and
-      float32 accumulation (`ops.conv2d`); the transformers stay float32.
-    embedding_dim: width of label and weight embeddings (32 in the paper).
-    image_features: width of the shared image feature extractor.
-    activation_features: filters of each per-layer activation extractor
-      (None: the CNN's width, as in HT).
-    num_layers, num_heads, *_fraction, activation, encoder_impl: each layer's
-      transformer (`transformer.Encoder`).
-    generate_bn: generate BatchNorm scale/offset (2 numbers more per conv
-      token) instead of training them as shared parameters.
-    head_scale: 0 (the paper): the head as the transformer writes it. > 0 (a
-      departure, the ':fast' recipe): the generated head kernel and bias times
-      a learned scalar `head_output_scale` that starts at this value. The
-      transformer's outputs are LayerNorm-scaled, O(1) each, so the paper's
-      first embeddings are O(sqrt(channels)) per dimension and the first
-      squared distances O(100): the loss starts in the hundreds.
-    learned_base: 0 (the paper): each layer is what the transformer writes.
-      > 0 (a departure, to let the transformer spend itself on what differs
-      between tasks): each generated layer is a learned, task-independent
-      base (initialised as `cnn_lib.CNN` initialises its own params) plus
-      the transformer's output times a learned per-layer scalar
-      `{layer}_generated_scale` that starts at this value; `head_scale`
-      then scales the whole head.
-    feature_norm: False (the paper). True (a departure): each layer's sample
-      features (activation and image features) are normalised over the
-      support set, feature by feature, before they enter the tokens. At
-      initialisation the image and activation features vary across Omniglot
-      samples orders of magnitude less than the label embeddings, which are
-      the same in every task: the tokens, and so the generated weights,
-      hardly depend on the images (docs/results.md, section 8; on in the
-      ':fast' recipe). Unlabeled samples are normalised together with the
-      labelled ones, so with this option they also change the labelled
-      samples' tokens.
-    trained_layers: 0 (the paper): the transformers write every layer. N > 0
-      (the original HT's `number_of_trained_cnn_layers`): the first N of the
-      CNN's layers (its conv blocks, then its head) are ordinary trained
-      parameters, the same for every task, and only the others are written;
-      N < 0: the last |N|. A trained layer has no transformer or activation
-      feature extractor, and theta_{t-1} does not reach it.
+    activation_features: filters of each activation extractor (None: the CNN's width).
+    generate_bn: generate BatchNorm scale/offset rather than train them shared.
+    head_scale: > 0: the generated head times a learned `head_output_scale`.
+    learned_base: > 0: each generated layer is a learned base (initialised as
+      `CNN`'s) plus the transformer's output times a learned
+      `{layer}_generated_scale`; `head_scale` then scales the whole head.
+    feature_norm: normalise sample features over the support set (unlabeled too).
+    trained_layers: N > 0 (HT's `number_of_trained_cnn_layers`): the first N
+      CNN layers (blocks, then head) are trained, shared by every task; N < 0:
+      the last |N|. theta_{t-1} does not reach them.
   """
   num_ways: int
-  # Set by the config (configs/omniglot_base.py), their one place: no defaults here.
+  # Set by the config, their one place: no defaults here.
   channels: Sequence[int]
   cnn_embedding_dim: int
   embedding_dim: int
@@ -145,8 +97,7 @@ class HyperTransformer(nn.Module):
   feature_norm: bool
   trained_layers: int
   compute_dtype: str
-  # Not in the config (kernel_size), or the plain form where the config asks for
-  # 'auto' (conv_impl, encoder_impl) or a width of its own (activation_features).
+  # Not in the config (kernel_size), or defaults for direct construction.
   kernel_size: int = 3
   conv_impl: str = 'patches'
   activation_features: int | None = None
@@ -193,8 +144,7 @@ class HyperTransformer(nn.Module):
     return outputs[:num_tokens, emb:emb + block_size]
 
   def _normalize_over_samples(self, name: str, features: jax.Array) -> jax.Array:
-    """[S, F] -> [S, F], each feature with mean 0 and variance 1 over the S samples, then
-    a learned scale and offset (a batch-statistics BatchNorm over the support set)."""
+    """[S, F] -> [S, F]: a batch-statistics BatchNorm over the S samples."""
     scale = self.param(f'{name}_feature_norm_scale', nn.initializers.ones, features.shape[-1:])
     bias = self.param(f'{name}_feature_norm_bias', nn.initializers.zeros, features.shape[-1:])
     return cnn_lib.batch_stat_norm(features, scale, bias, epsilon=FEATURE_NORM_EPSILON)
@@ -214,20 +164,14 @@ class HyperTransformer(nn.Module):
     """Generates theta_t from S(t) and theta_{t-1}.
 
     Args:
-      support_images: [S, H, W, C] float32.
-      support_labels: [S] int32 in 0..num_ways-1.
+      support_images: [S, H, W, C] float32; support_labels: [S] int32 in 0..K-1.
       theta_prev: theta_{t-1}, the CNN's params pytree (zeros for t = 0).
-      with_support_embeddings: also return the support images' embeddings
-        under theta_t, `self.cnn.apply({'params': theta_t}, support_images)`:
-        generating theta_t has pushed them through every block already.
-      unlabeled_images: [U, H, W, C] float32 support images without labels,
-        or None (or U = 0) for none: the computation is then exactly that
-        of a fully labelled support set.
+      with_support_embeddings: also return the labelled support images'
+        embeddings under theta_t, [S, cnn_embedding_dim].
+      unlabeled_images: [U, H, W, C] float32, or None (or U = 0) for none.
 
     Returns:
-      theta_t, with the structure of `self.cnn`'s params; with
-      `with_support_embeddings`, (theta_t, [S, cnn_embedding_dim]) (the
-      labelled images only).
+      theta_t, or (theta_t, embeddings) with `with_support_embeddings`.
     """
     if unlabeled_images is not None and not unlabeled_images.shape[0]:
       unlabeled_images = None

@@ -1,24 +1,8 @@
 """Convolution as patches + one matrix product, the form XLA:CPU runs fastest here.
 
-Every convolution of the project (the generated CNN's and the feature
-extractors') goes through `conv2d`. With per-episode generated kernels under
-vmap, `lax.conv_general_dilated` becomes a grouped convolution, which XLA:CPU
-runs poorly; its kernel gradient is slow even for shared kernels. Gathering
-the k*k shifted (strided) copies of the input and running one matrix product
-turns forward and backward passes into batched matrix products instead.
-See docs/performance.md for the measurements.
-
-`compute_dtype` 'bfloat16' (mixed precision, an option; 'float32' is the
-paper's arithmetic) rounds both operands of every convolution to bfloat16 and
-accumulates the products in float32: the patches, the largest tensor of a
-step, take half the memory traffic, and the output stays float32 for what
-follows (ReLU, pooling, BatchNorm).
-
-`conv_impl` also chooses a backend for the generated CNN's blocks
-(`cnn.conv_block`): 'fused_cpu' runs them as C++ kernels on CPU
-(`cht_jax.kernels.cpu`); 'auto' picks it where it runs (`resolve_conv_impl`).
-There is no kernel for a lone convolution: under 'fused_cpu' `conv2d` takes
-the form below that is fastest there (`forward_with_gradient_of`).
+Every convolution of the project goes through `conv2d`. Under vmap, generated
+kernels make `lax.conv_general_dilated` a grouped convolution, which XLA:CPU
+runs poorly; k*k shifted input copies and one matrix product do not.
 """
 
 import functools
@@ -36,12 +20,7 @@ COMPUTE_DTYPES = ('float32', 'bfloat16')
 def forward_with_gradient_of(fast: Callable, reference: Callable) -> Callable:
   """`fast` where nothing differentiates it; `reference`'s value and VJP where something does.
 
-  For forward-only passes (generating theta to evaluate or deploy) that have a
-  faster form with no gradient of its own (conv2d's 'fused_cpu' form, the
-  encoder's kernel): training, which differentiates, runs exactly `reference`,
-  and forward-only calls get `fast`, equal up to float rounding (tested). Both
-  take and return arrays (close over the rest).
-  """
+  Both take and return arrays."""
   @jax.custom_vjp
   def call(*args):
     return fast(*args)
@@ -51,10 +30,8 @@ def forward_with_gradient_of(fast: Callable, reference: Callable) -> Callable:
 
 
 def resolve_conv_impl(impl: str, second_order: bool = False) -> str:
-  """The implementation `impl` stands for on this backend: 'auto' is resolved.
-
-  'auto' is 'fused_cpu' on CPU where its kernel compiles, else 'patches' (also
-  where the model is differentiated twice, which the kernel does not support).
+  """'auto' resolved: 'fused_cpu' on CPU where its kernel compiles, else 'patches'
+  (also under `second_order` differentiation, which the kernel lacks).
 
   Raises:
     ValueError: 'fused_cpu' asked for where it cannot run.
@@ -80,22 +57,11 @@ def conv2d(x: jax.Array, kernel: jax.Array, stride: int = 1, padding: str = 'SAM
            impl: str = 'patches', compute_dtype: str = 'float32') -> jax.Array:
   """2-D convolution without bias, NHWC.
 
-  Args:
-    x: [N, H, W, C_in].
-    kernel: [k_h, k_w, C_in, C_out].
-    stride: the same in both spatial dimensions.
-    padding: 'SAME' or 'VALID'.
-    impl: 'patches' (shifted copies + one matrix product) or 'lax'
-      (`lax.conv_general_dilated`); both give the same numbers. 'auto' is
-      resolved (`resolve_conv_impl`). 'fused_cpu' fuses the generated CNN's
-      blocks (`cnn.conv_block`); the other convs then run `lax` where nothing
-      differentiates them (faster there on CPU) and `patches` where something
-      does (`forward_with_gradient_of`).
-    compute_dtype: 'float32', or 'bfloat16': operands rounded to bfloat16,
-      products accumulated in float32.
-
-  Returns:
-    [N, H_out, W_out, C_out], float32.
+  x [N, H, W, C_in], kernel [k_h, k_w, C_in, C_out] -> [N, H_out, W_out, C_out] float32.
+  `impl`: 'patches' (shifted copies + one matrix product), 'lax' or 'taps'; 'auto'
+  is resolved (`resolve_conv_impl`); under 'fused_cpu' a lone conv runs `lax`
+  forward and `patches`' gradient. `compute_dtype` 'bfloat16': bfloat16
+  operands, float32 accumulation.
   """
   impl = resolve_conv_impl(impl)
   if compute_dtype not in COMPUTE_DTYPES:
@@ -108,7 +74,7 @@ def conv2d(x: jax.Array, kernel: jax.Array, stride: int = 1, padding: str = 'SAM
     return lax_conv(x, kernel)
   if impl == 'taps':
     return _taps_conv(x, kernel, stride=stride, padding=padding)
-  if impl == 'fused_cpu':  # No kernel for a lone conv: the forms fastest on CPU.
+  if impl == 'fused_cpu':
     return forward_with_gradient_of(lax_conv, patches_conv)(x, kernel)
   return patches_conv(x, kernel)
 

@@ -3,11 +3,6 @@
 Post-LayerNorm: x = LN(x + MHA(x)); x = LN(x + FFN(x)), LN epsilon 1e-6.
 Biases on the q, k, v and output projections; softmax attention scaled by
 sqrt(per-head depth); no positional encoding (tokens form a set).
-
-On CPU a whole stack (`Encoder`) can run as one C++ call
-(`encoder_impl='fused_cpu'`, `cht_jax.kernels.cpu.encoder`) where nothing
-differentiates it, generating theta to evaluate or deploy. Training
-differentiates it and runs these modules.
 """
 
 import dataclasses
@@ -30,11 +25,8 @@ ENCODER_IMPLS = ('auto', 'xla', 'fused_cpu')
 
 
 def resolve_encoder_impl(impl: str) -> str:
-  """'auto' is 'fused_cpu' on CPU where the kernel compiles, else 'xla'.
-
-  Raises:
-    ValueError: 'fused_cpu' asked for where it cannot run.
-  """
+  """'auto' is 'fused_cpu' on CPU where the kernel compiles, else 'xla' (ValueError:
+  'fused_cpu' where it cannot run)."""
   return kernels.resolve('model.encoder_impl', impl, ENCODER_IMPLS, fallback='xla')
 
 
@@ -63,8 +55,7 @@ class MultiHeadSelfAttention(nn.Module):
     v = _dense(self.value_dim, 'value')(x).reshape(length, h, -1)
     logits = jnp.einsum('qhd,khd->hqk', q, k) / math.sqrt(q.shape[-1])
     weights = jax.nn.softmax(logits, axis=-1)
-    # [h, L, L], kept only where the caller collects 'intermediates' (diagnostics:
-    # diagnostics/task_specificity.py); otherwise a no-op.
+    # [h, L, L], kept only where 'intermediates' are collected (diagnostics/task_specificity.py).
     self.sow('intermediates', 'attention_weights', weights)
     attended = jnp.einsum('hqk,khd->qhd', weights, v)
     return _dense(width, 'output')(attended.reshape(length, -1))
@@ -88,13 +79,10 @@ class EncoderLayer(nn.Module):
 
 
 class Encoder(nn.Module):
-  """A stack of post-LN encoder layers; widths given as fractions of E.
+  """A stack of post-LN encoder layers, widths as fractions of E: [L, E] -> [L, E].
 
-  Input and output: [L, E] tokens of one task (vmap for batches). The
-  HyperTransformer passes its settings of the same names (`encoder_settings`).
-  `encoder_impl` ('auto', 'xla', 'fused_cpu'; `resolve_encoder_impl`) only
-  changes how an undifferentiated forward pass runs: under differentiation it is
-  always these modules (the CPU kernel is forward-only).
+  `encoder_impl` (`resolve_encoder_impl`) only changes how an undifferentiated
+  forward pass runs; under differentiation it is always these modules.
   """
   num_layers: int
   num_heads: int
@@ -107,8 +95,7 @@ class Encoder(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     if resolve_encoder_impl(self.encoder_impl) == 'fused_cpu' and not self.is_initializing():
-      # One C++ call where nothing differentiates the stack; where something does,
-      # exactly these modules (the kernel has no gradient). Initialising creates params.
+      # The kernel has no gradient; initialising must create the params.
       from cht_jax.kernels.cpu import encoder as cpu_kernel  # pylint: disable=g-import-not-at-top
       definition = self.clone(parent=None, encoder_impl='xla')
       return ops.forward_with_gradient_of(

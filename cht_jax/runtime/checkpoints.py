@@ -1,9 +1,6 @@
 """Orbax checkpoints of a workdir: the manager, save, restore, and what a mismatch says.
 
-Orbax writes each checkpoint into a temporary folder and renames it when
-complete; a run killed mid-save leaves only that folder, which the trainer's
-manager (`remove_partial`) deletes when it restarts. Every failure here is a
-`CheckpointError` whose message names the folder, the cause and what to do.
+Every failure here is a `CheckpointError` naming the folder, the cause and what to do.
 """
 
 import json
@@ -28,12 +25,8 @@ class CheckpointError(RuntimeError):
 
 
 class _QuietOrbax(std_logging.Filter):
-  """Drops Orbax's INFO lines and the tracebacks of its ERROR lines.
-
-  Orbax logs dozens of lines per checkpoint, which drown the training's
-  progress, and logs its own tracebacks before the `CheckpointError` that
-  says what went wrong and what to do.
-  """
+  """Drops Orbax's INFO lines (they drown the progress) and its ERROR lines' tracebacks
+  (the `CheckpointError` that follows says what to do)."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     if f'{os.sep}orbax{os.sep}' not in record.pathname:
@@ -50,15 +43,10 @@ def quiet_orbax_logs(verbose: bool = False) -> None:
 
 
 def manager(workdir: str, config, remove_partial: bool = False) -> ocp.CheckpointManager:
-  """The Orbax manager of `<workdir>/checkpoints`.
+  """The Orbax manager of `<workdir>/checkpoints` (keeps `train.keep_checkpoints`).
 
-  Args:
-    workdir: the training workdir.
-    config: the config (for `train.keep_checkpoints`).
-    remove_partial: delete the temporary folders of saves that never
-      completed (a killed run). Only the trainer of the workdir may: another
-      process would delete the save in progress of a live run.
-  """
+  `remove_partial` deletes incomplete saves' temporary folders: only for the workdir's
+  trainer, as another process would delete a live run's save in progress."""
   return ocp.CheckpointManager(
       os.path.join(os.path.abspath(workdir), 'checkpoints'),
       item_handlers=ocp.StandardCheckpointHandler(),
@@ -111,10 +99,8 @@ def _config_changes(workdir: str, config) -> str:
 def _flat_dict(tree: dict, prefix: str = '') -> dict[str, Any]:
   out = {}
   for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flat_dict(value, f'{prefix}{key}.'))
-    else:
-      out[f'{prefix}{key}'] = value
+    out.update(_flat_dict(value, f'{prefix}{key}.') if isinstance(value, dict)
+               else {f'{prefix}{key}': value})
   return out
 
 
@@ -159,10 +145,8 @@ def restore_or_init(manager: ocp.CheckpointManager, state: Any,
                     config: ml_collections.ConfigDict | None = None) -> Any:
   """The latest complete checkpoint of the workdir if any, else `state` unchanged.
 
-  Raises:
-    CheckpointError: the checkpoint does not fit `state` (a different config;
-      the fields that changed are named when `config` is given) or cannot be
-      read. Nothing is deleted.
+  Raises CheckpointError, deleting nothing, if it cannot be read or does not fit `state`
+  (naming the config fields that changed when `config` is given).
   """
   step = manager.latest_step()
   if step is None:
@@ -181,10 +165,8 @@ def restore_or_init(manager: ocp.CheckpointManager, state: Any,
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, wait: bool) -> None:
   """Saves asynchronously (or not, if `wait`); errors become CheckpointError, or
-  devices.LostProcessError where another process of the job is gone.
-
-  An asynchronous save that failed raises here at the next save or wait.
-  """
+  devices.LostProcessError where another process of the job is gone. A failed
+  asynchronous save raises at the next save or wait."""
   try:
     manager.save(step, args=ocp.args.StandardSave(state))
     if wait:
@@ -197,8 +179,7 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, wait: bool) -> N
       manager.reload()
       kept = manager.all_steps()
     except Exception:  # pylint: disable=broad-except
-      # Orbax may fail to read a directory in mid-failure: complete steps are
-      # the folders named by a bare number (partial saves carry a suffix).
+      # Orbax may not read a folder mid-failure: complete steps are bare numbers.
       kept = sorted(int(p.name) for p in epath.Path(manager.directory).iterdir()
                     if p.name.isdigit())
     raise CheckpointError(
@@ -219,12 +200,8 @@ def close(manager: ocp.CheckpointManager) -> None:
 
 
 def _replicated(metadata) -> Any:
-  """ShapeDtypeStructs of a checkpoint's arrays, replicated over this job's devices.
-
-  Without a target Orbax places each array on the devices it was saved from,
-  which fails where they differ: a checkpoint of 8 GPUs or 2 CPU devices read
-  by a process with one device, a GPU's read on a CPU.
-  """
+  """ShapeDtypeStructs of a checkpoint's arrays, replicated over this job's devices
+  (without a target Orbax uses the saving devices: fails on a GPU's checkpoint on CPU)."""
   replicated = jax.sharding.NamedSharding(
       jax.sharding.Mesh(np.array(jax.devices()), ('data',)), jax.sharding.PartitionSpec())
   return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated),
@@ -232,40 +209,25 @@ def _replicated(metadata) -> Any:
 
 
 def restore_params(workdir: str, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
-  """The parameters of a checkpoint written by training, for evaluation.
+  """(params, step) of a training checkpoint of `workdir` (`step` None: the latest).
 
-  Only the parameters must fit `abstract_params`: the optimiser state is read
-  and dropped, so a config that differs from the training one in the
-  optimiser still restores. The arrays come back replicated over this job's
-  devices, whichever devices saved them.
-
-  Args:
-    workdir: the training workdir (checkpoints in `<workdir>/checkpoints`).
-    abstract_params: ShapeDtypeStructs of the method's parameters.
-    step: the checkpoint step; None for the latest.
-
-  Returns:
-    (params, step).
-
-  Raises:
-    CheckpointError: no checkpoint (at `step`), or parameters that do not fit
-      (the differing arrays are named).
+  Only the parameters must fit `abstract_params` (ShapeDtypeStructs): the optimiser state
+  is dropped, so a different optimiser still restores. The arrays come back replicated
+  over this job's devices. Raises CheckpointError where there is no checkpoint (at
+  `step`) or the parameters do not fit (naming the arrays).
   """
+  train_first = ('Pass the --workdir of a trained model, or train one first (python -m '
+                 f'cht_jax.main --config=... --workdir={workdir}).')
   if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
-    raise CheckpointError(
-        f'No checkpoint in {os.path.abspath(workdir)}: it has no checkpoints/ folder. '
-        'Pass the --workdir of a trained model, or train one first (python -m '
-        f'cht_jax.main --config=... --workdir={workdir}).')
+    raise CheckpointError(f'No checkpoint in {os.path.abspath(workdir)}: it has no '
+                          'checkpoints/ folder. ' + train_first)
   # keep_checkpoints is irrelevant to a reader: it never saves.
   reader = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), 'checkpoints'),
                                  item_handlers=ocp.StandardCheckpointHandler())
   try:
     steps = sorted(reader.all_steps())
     if not steps:
-      raise CheckpointError(
-          f'No complete checkpoint in {reader.directory}. Pass the --workdir of a '
-          f'trained model, or train one first (python -m cht_jax.main --config=... '
-          f'--workdir={workdir}).')
+      raise CheckpointError(f'No complete checkpoint in {reader.directory}. ' + train_first)
     if step is None:
       step = steps[-1]
     elif step not in steps:

@@ -1,14 +1,8 @@
-"""Data parallelism: the devices a batch is split over (on CPU, one per core) and the
-mean gradient over them.
+"""Data parallelism: the devices a batch is split over and the mean gradient over them.
 
-XLA:CPU runs this model's thousands of small operations one after another,
-each on few threads, so one CPU device leaves cores idle. Made one device per
-core (`use_cpu_cores`), the same data-parallel step as on GPUs gives each core
-its own share of the episodes, and more episodes per second than one device
-(measured in docs/performance.md).
-
-Several processes (`initialize_distributed`): a bounded wait for the
-coordinator, and a watch that names a process of the job that is gone.
+On CPU one device per core (`use_cpu_cores`): XLA:CPU runs this model's many small ops
+one after another on few threads (docs/performance.md). Several processes
+(`initialize_distributed`): a bounded wait for the coordinator, and a watch for a lost one.
 """
 
 import atexit
@@ -48,13 +42,8 @@ def cpu_cores() -> int:
 
 
 def use_cpu_cores() -> bool:
-  """Makes the CPU backend one device per core, unless XLA_FLAGS sets the count.
-
-  Call before any JAX operation (it cannot change an initialised backend, and
-  then only says so). Has no effect on which backend is the default: on a GPU
-  or TPU host the accelerators are still the devices used. Returns whether it
-  set the count.
-  """
+  """Makes the CPU backend one device per core, unless XLA_FLAGS sets the count; returns
+  whether it did. Call before any JAX operation. The default backend is unchanged."""
   if _DEVICE_COUNT_FLAG in os.environ.get('XLA_FLAGS', ''):
     return False
   try:
@@ -65,13 +54,8 @@ def use_cpu_cores() -> bool:
 
 
 def num_data_devices(batch_size: int | None = None) -> int:
-  """Devices a batch of `batch_size` episodes is split over.
-
-  All devices on accelerators and across processes (the batch must be a
-  multiple of their number: config validation says so). On one CPU process,
-  where the devices are cores, the largest number that divides the batch, so
-  that any batch size runs (1 episode per step on one core).
-  """
+  """Devices a batch of `batch_size` episodes is split over: all of them on accelerators
+  and across processes; on one CPU process, the most that divide the batch."""
   count = jax.device_count()
   if batch_size is None or jax.default_backend() != 'cpu' or jax.process_count() > 1:
     return count
@@ -88,14 +72,10 @@ def data_mesh(batch_size: int | None = None) -> jax.sharding.Mesh:
 def batch_grads(loss_fn, params, episodes, mesh: jax.sharding.Mesh, vectorize: bool):
   """Mean gradient and metrics of `loss_fn(params, episode) -> (loss, metrics)` over a batch.
 
-  The batch [B, ...] is split over the devices of `mesh` (axis 'data',
-  `shard_map`): each device takes its B / devices episodes and the means are
-  averaged across devices (`pmean`), as in evaluation. Explicit per-device
-  code rather than a sharded vmap: XLA's partitioner would gather the whole
-  batch onto every device around custom calls (`model.conv_impl='fused_cpu'`).
-  On a device the episodes are vmapped when `vectorize`, else looped
-  (`lax.scan` summing the gradients): on CPU one episode at a time stays in
-  cache, where a vmapped batch of generated CNNs does not (docs/performance.md).
+  The batch [B, ...] is split over `mesh`'s 'data' axis by `shard_map` (a sharded vmap
+  would gather it onto every device around custom calls, `model.conv_impl='fused_cpu'`).
+  A device vmaps its episodes when `vectorize`, else loops over them (`lax.scan`: on CPU
+  one episode at a time stays in cache, docs/performance.md).
   """
   def device_grads(params, row):
     size = jax.tree.leaves(row)[0].shape[0]
@@ -114,9 +94,8 @@ def batch_grads(loss_fn, params, episodes, mesh: jax.sharding.Mesh, vectorize: b
                            jax.eval_shape(grad_fn, params, first))
       total, _ = jax.lax.scan(accumulate, zeros, row)
       grads, metrics = jax.tree.map(lambda x: x / size, total)
-    # One all-reduce of one vector: of a pytree, XLA makes several, which may
-    # run at once, and two collectives in flight can hang XLA:CPU (each holds
-    # one of the pool's threads while it waits for the other devices).
+    # One all-reduce of one vector: several in flight can hang XLA:CPU (each holds a
+    # pool thread while it waits for the other devices).
     flat, unravel = flatten_util.ravel_pytree((grads, metrics))
     return unravel(jax.lax.pmean(flat, 'data'))
 
@@ -130,15 +109,12 @@ def initialize_distributed(coordinator_address: str | None, num_processes: int |
                            stop: Callable[[Exception], None]) -> None:
   """`jax.distributed.initialize`, then a watch on the other processes.
 
-  `stop(error)` ends the process (it must not return): with a CoordinatorError
-  if this process has not joined the job after `coordinator_timeout_seconds`,
-  and with a LostProcessError once the coordinator has not heard from another
-  process for `heartbeat_timeout_seconds`, or is itself gone. Both come from a
-  thread, as the main thread may then be waiting in XLA, where Python cannot
-  interrupt it.
+  `stop(error)`, called from a thread (the main one may be waiting in XLA), must end the
+  process: with a CoordinatorError if this one has not joined in time, with a
+  LostProcessError once another is silent for `heartbeat_timeout_seconds` or the
+  coordinator is gone.
   """
-  # Recoverable: a lost process is then reported to the others (the watch sees it)
-  # instead of aborting them in C++ without a word.
+  # Recoverable: a lost process is reported to the others instead of aborting them in C++.
   jax.config.update('jax_enable_recoverability', True)
   address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
   timer = threading.Timer(coordinator_timeout_seconds, lambda: stop(CoordinatorError(
@@ -160,13 +136,8 @@ def initialize_distributed(coordinator_address: str | None, num_processes: int |
 
 
 def _leave_together() -> None:
-  """At a normal exit, waits for the other processes to finish too.
-
-  In recoverable mode JAX's shutdown no longer waits for them: a process that
-  left early would look lost to the others' watch, and the coordinator, in
-  process 0, could go while the others still need it to disconnect (they would
-  abort). So process 0 leaves last.
-  """
+  """At a normal exit, waits for the other processes (recoverable mode's shutdown does
+  not): an early leaver looks lost, and process 0, the coordinator, must leave last."""
   _SHUTTING_DOWN.set()
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   client = distributed.global_state.client
@@ -211,8 +182,7 @@ def _watch_processes(stop: Callable[[Exception], None]) -> None:
 
 
 def lost_process(error: BaseException) -> bool:
-  """Whether `error` says another process of this job is gone (a collective or barrier
-  lost its peer). Always False with a single process."""
+  """Whether `error` says another process of this job is gone (False with one process)."""
   if jax.process_count() == 1:
     return False
   text = str(error)

@@ -1,20 +1,8 @@
-"""One divergence rule for every method: which steps are non-finite, which windows
-collapsed, and when training stops.
+"""One divergence rule for every method: non-finite steps, collapsed windows, when to stop.
 
-The training step itself leaves parameters and optimiser state unchanged on a
-step where one of `WATCHED` is not finite (metrics['skipped'] = 1); `Guard`
-reads the fetched metrics and says when `train.on_divergence` stops the run:
-'stop' at the first such step, 'skip' after more than MAX_CONSECUTIVE_SKIPS
-in a row.
-
-A collapse can also stay finite: at high learning rates the training loss has
-jumped within a few hundred steps and never come back (docs/results.md,
-sections 3, 6 and 10). `LossSpikes` says when a log window's mean loss is such
-a jump; with `train.loss_spike_factor` the training loop then rolls back to an
-earlier state and goes on at a lower learning rate (`Rollbacks`).
-
-`checkpointed_error` is the error that ends a run: the reason, the last good
-checkpoint and how to go on.
+The train step skips a step where one of `WATCHED` is not finite; `Guard` applies
+`train.on_divergence`. A collapse can also stay finite (docs/results.md, sections 3, 6 and
+10): `LossSpikes` finds it, and `Rollbacks` goes back at a lower learning rate.
 """
 
 import collections
@@ -27,23 +15,18 @@ import numpy as np
 from cht_jax.runtime import checkpoints
 
 MAX_CONSECUTIVE_SKIPS = 20  # With on_divergence='skip', more than this stops the run.
-# Train-step metrics that must be finite for the step's update to be applied
-# (those a method reports: baselines generate no weights).
+# Train-step metrics that must be finite for the update to apply (if the method reports them).
 WATCHED = {'loss': 'the loss', 'grad_norm': 'the gradient norm',
            'theta_norm': 'the norm of the generated weights',
            'update_norm': 'the norm of the parameter update'}
 
 
-# A log window is a loss spike when its mean training loss exceeds
-# train.loss_spike_factor x the lowest of up to SPIKE_REFERENCE_WINDOWS earlier
-# healthy windows (at least SPIKE_MIN_WINDOWS of them, none from before one of
-# `LossSpikes`'s reset steps). The lowest, not the median: while the loss still
-# falls fast, the median lags behind it, and the first jump of a collapse can be
-# well above the lowest of the windows before while barely above their median.
+# A log window is a loss spike when its mean training loss exceeds train.loss_spike_factor
+# x the lowest (not the median, which lags a fast-falling loss) of up to
+# SPIKE_REFERENCE_WINDOWS earlier healthy windows, given at least SPIKE_MIN_WINDOWS.
 SPIKE_REFERENCE_WINDOWS = 5
 SPIKE_MIN_WINDOWS = 3
-# After a rollback the learning rate is this times what it was, from the step
-# rolled back to on; more than MAX_ROLLBACKS rollbacks stop the run.
+# Each rollback scales the learning rate by this; more than MAX_ROLLBACKS stop the run.
 ROLLBACK_LEARNING_RATE_FACTOR = 0.5
 MAX_ROLLBACKS = 4
 
@@ -102,8 +85,7 @@ class LossSpikes:
   """Which log windows' mean training loss jumped (a finite collapse)."""
 
   def __init__(self, factor: float, reset_steps=()):
-    """`factor` 0 never reports a spike; `reset_steps`: steps from which the
-    loss has a new scale (training passes none)."""
+    """`factor` 0: never a spike; `reset_steps`: where the loss takes a new scale."""
     self._factor = factor
     self._reset_steps = sorted(reset_steps)
     self._healthy = []  # (last step, mean loss) of the windows that were not spikes.
@@ -138,19 +120,13 @@ def checkpointed_error(reason: str, manager, policy: str) -> DivergenceError:
 class Rollbacks:
   """`train.loss_spike_factor`: rolling back a finite collapse (`LossSpikes`).
 
-  At the end of each healthy log window the state is copied (the last two are
-  kept). When a window is a spike, training goes back to the older copy, one
-  window before the last healthy one, since a collapse builds up over a few
-  hundred steps; the rows and checkpoints of later steps are dropped, and from
-  there on the learning rate is ROLLBACK_LEARNING_RATE_FACTOR times what it
-  was. A 'rollback' row in metrics.jsonl at the step rolled back to records the
-  new scale, so a resumed run goes on with it. The steps' data stay a function
-  of (seed, step): the rerun steps see the same episodes at the lower rate.
+  The state is copied after each healthy log window (the last two kept). On a spike
+  training goes back to the older copy, drops later rows and checkpoints, and scales
+  the learning rate, recording it in a 'rollback' row of metrics.jsonl for a resume.
   """
 
   def __init__(self, factor: float, log, first_step: int):
-    """`factor`: train.loss_spike_factor (0: off); `log`: the run's
-    `workdir.MetricsLog`; `first_step`: the step training starts from."""
+    """`factor`: train.loss_spike_factor (0: off); `log`: the run's `workdir.MetricsLog`."""
     self._log = log
     self._spikes = LossSpikes(factor)
     self._enabled = bool(factor)

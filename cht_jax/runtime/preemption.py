@@ -1,14 +1,9 @@
 """SIGTERM (a cluster's preemption) and Ctrl-C as a flag the training loop polls between steps.
 
-The loop checkpoints the step in progress and raises `Preempted`; `main`
-prints its one line and exits with its `exit_code`: 143 (128 + SIGTERM), the
-status schedulers read as "terminated, requeue me", or 130 after Ctrl-C. A
-second Ctrl-C ends the process at once, without a checkpoint.
-
-With several processes (jax.distributed) they must stop at the same step:
-JAX's preemption service catches SIGTERM in any of them and agrees on a step
-(`multihost_utils.reached_preemption_sync_point`, asked at every step); Ctrl-C
-is turned into a SIGTERM to itself so that it takes the same path.
+The loop checkpoints the step and raises `Preempted`; `main` exits with its `exit_code`:
+143 (128 + SIGTERM, "requeue me" to schedulers), or 130 after Ctrl-C. A second Ctrl-C
+exits at once. Several processes stop at the same step: JAX's preemption service agrees
+on it (`multihost_utils.reached_preemption_sync_point`), and Ctrl-C becomes a SIGTERM.
 """
 
 import os
@@ -34,10 +29,8 @@ class Preempted(Exception):
 
 
 class SignalFlag:
-  """Within `with`, SIGTERM and SIGINT set `.received` instead of ending the process.
-
-  `.name` is the first signal's ('SIGTERM' or 'SIGINT') and `.signum` its number.
-  """
+  """Within `with`, SIGTERM and SIGINT set `.received` instead of ending the process;
+  `.name` and `.signum` are the first signal's."""
 
   def __init__(self, signums=(signal.SIGTERM, signal.SIGINT)):
     self._multiprocess = jax.process_count() > 1

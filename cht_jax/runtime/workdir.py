@@ -6,8 +6,7 @@
   <workdir>/events.out.*    the same scalars for TensorBoard
   <workdir>/checkpoints/    Orbax (cht_jax/runtime/checkpoints.py)
 
-Files are written with the permissions the umask gives (a group on a shared
-cluster can read the results).
+Files get the umask's permissions (a group on a shared cluster can read the results).
 """
 
 import contextlib
@@ -27,10 +26,8 @@ import ml_collections
 import numpy as np
 
 LOCK_NAME = 'run.lock'
-# A live run refreshes its lock's modification time this often; a lock not
-# refreshed for STALE_LOCK_SECONDS belongs to a dead run (killed, or its node
-# lost) and the next run takes it over. On the lock's own host a dead holder
-# is seen at once (its process is gone).
+# A live run touches its lock this often; one untouched for STALE_LOCK_SECONDS is a dead
+# run's (on the lock's own host a dead holder is seen at once) and is taken over.
 LOCK_REFRESH_SECONDS = 30
 STALE_LOCK_SECONDS = 300
 
@@ -40,14 +37,8 @@ class WorkdirError(RuntimeError):
 
 
 def check_workdir(workdir: str) -> str:
-  """Creates `workdir` (and its checkpoints folder) and checks both are writable.
-
-  Returns:
-    The absolute path of the workdir.
-
-  Raises:
-    WorkdirError: naming the folder and the reason.
-  """
+  """Creates `workdir` and its checkpoints folder, checks both are writable; returns the
+  workdir's absolute path. Raises WorkdirError naming the folder and the reason."""
   workdir = os.path.abspath(workdir)
   for folder in (workdir, os.path.join(workdir, 'checkpoints')):
     try:
@@ -65,7 +56,8 @@ def check_workdir(workdir: str) -> str:
 
 def new_folders(workdir: str) -> list[str]:
   """The folders `check_workdir` would create: what a failed start must not leave behind."""
-  folders, folder = [os.path.join(os.path.abspath(workdir), 'checkpoints')], os.path.abspath(workdir)
+  folder = os.path.abspath(workdir)
+  folders = [os.path.join(folder, 'checkpoints')]
   while not os.path.isdir(folder):  # The workdir and its missing parents.
     folders.append(folder)
     folder = os.path.dirname(folder)
@@ -73,13 +65,10 @@ def new_folders(workdir: str) -> list[str]:
 
 
 def remove_if_empty(folders: list[str]) -> None:
-  """Removes those of `folders` (deepest first) that are empty: a start that failed
-  before writing anything leaves no folders behind."""
+  """Removes those of `folders` that are empty, deepest first."""
   for folder in sorted(folders, key=len, reverse=True):
-    try:
+    with contextlib.suppress(OSError):  # Not empty, or already gone.
       os.rmdir(folder)
-    except OSError:  # Not empty, or already gone.
-      pass
 
 
 def _umask() -> int:
@@ -90,14 +79,9 @@ def _umask() -> int:
 
 @contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
-  """A temporary path beside `path` to write to, renamed to `path` when the block ends.
-
-  So `path` always holds a complete file, the new one or the one before (a full
-  disk or a kill mid-write leaves no partial file under that name), with the
-  permissions the umask gives (mkstemp's are 0600, private to the user). If the
-  block raises, the temporary file is removed. Its name keeps the extension of
-  `path`, for writers that pick a format from it (Matplotlib's savefig).
-  """
+  """A temporary path beside `path` to write to, renamed to `path` when the block ends
+  (removed if it raises), so `path` always holds a complete file with the umask's
+  permissions. It keeps `path`'s extension, for writers that read it (savefig)."""
   folder, name = os.path.split(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(dir=folder, prefix=f'.{name}.',
                              suffix='.tmp' + os.path.splitext(name)[1])
@@ -120,8 +104,7 @@ def write_atomically(path: str, data: str | bytes) -> None:
 
 def window_means(rows: list[tuple[int, dict[str, float]]], elapsed: float,
                   episodes_per_step: int) -> dict[str, float]:
-  """What the log writes for a window of steps: the means over its steps that were not
-  skipped (divergence.py), how many were, and the throughput."""
+  """A log window's means over its steps not skipped (divergence.py), how many were, speed."""
   kept = [m for _, m in rows if not m['skipped']] or [m for _, m in rows]
   means = {k: float(np.mean([m[k] for m in kept])) for k in kept[0] if k != 'skipped'}
   means['skipped_steps'] = float(sum(m['skipped'] for _, m in rows))
@@ -147,8 +130,6 @@ class MetricsLog:
   TRAINING_SPLITS = ('train', 'validation', 'rollback')
 
   def __init__(self, workdir: str):
-    # Imported here: clu's writers pull in TensorFlow, which the training step,
-    # the benchmark and the API do not need (a GPU image may not have it).
     self._is_main = jax.process_index() == 0
     self._writer = self._create_writer(workdir)
     self._path = os.path.join(workdir, 'metrics.jsonl')
@@ -156,10 +137,10 @@ class MetricsLog:
   def _create_writer(self, workdir: str):
     if not self._is_main:
       return _NoEventsWriter()
-    try:
+    try:  # Imported here: clu's writers pull in TensorFlow, which a GPU image may lack.
       from clu import metric_writers  # pylint: disable=g-import-not-at-top
       return metric_writers.create_default_writer(workdir)
-    except ImportError as e:  # No TensorFlow (clu's writer needs it).
+    except ImportError as e:
       clu_missing = e
     try:
       return _EventFileWriter(workdir)
@@ -189,11 +170,8 @@ class MetricsLog:
     return [row for row in rows if row is not None and row.get('split') == split]
 
   def drop_after(self, step: int) -> None:
-    """Drops training rows after `step` and a torn last line, before resuming from `step`.
-
-    A run killed after its last checkpoint has logged steps that the resumed
-    run logs again; without this they would appear twice.
-    """
+    """Drops training rows after `step` and a torn last line, before resuming from `step`
+    (a killed run logged steps past its last checkpoint that the resumed run logs again)."""
     if not self._is_main or not os.path.exists(self._path):
       return
     with open(self._path) as f:
@@ -206,12 +184,7 @@ class MetricsLog:
       self._rebuild_events(kept)
 
   def _rebuild_events(self, lines: list[str]) -> None:
-    """TensorBoard's event files rewritten from the kept rows of `metrics.jsonl`.
-
-    Event files cannot drop what the killed run logged after its last
-    checkpoint, and the resumed run logs those steps again: without this,
-    TensorBoard would show them twice.
-    """
+    """TensorBoard's event files rewritten from the kept rows (they cannot drop rows)."""
     workdir = os.path.dirname(self._path)
     self._writer.close()
     for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
@@ -226,9 +199,8 @@ class MetricsLog:
 
   def _keep(self, line: str, step: int) -> bool:
     row = _parse_row(line)
-    if row is None:
-      return False
-    return row.get('split') not in self.TRAINING_SPLITS or row.get('step', 0) <= step
+    return row is not None and (row.get('split') not in self.TRAINING_SPLITS
+                                or row.get('step', 0) <= step)
 
   def close(self):
     self._writer.flush()
@@ -249,11 +221,8 @@ class _NoEventsWriter:
 
 
 class _EventFileWriter(_NoEventsWriter):
-  """Scalars to a TensorBoard event file with the `tensorboard` package alone.
-
-  clu's writer (used where TensorFlow is installed) needs TensorFlow; GPU images
-  for JAX often have TensorBoard without it. Same tags and steps.
-  """
+  """Scalars to a TensorBoard event file with the `tensorboard` package alone (clu's
+  writer needs TensorFlow, which JAX GPU images often lack). Same tags and steps."""
 
   def __init__(self, workdir: str):
     # pylint: disable=g-import-not-at-top
@@ -295,12 +264,9 @@ def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 class RunLock:
   """One training run per workdir: `<workdir>/run.lock`, held while the run lives.
 
-  The lock file is created atomically (O_EXCL, on a shared filesystem too) and
-  names its holder; a thread refreshes its modification time every
-  LOCK_REFRESH_SECONDS. A second run finds it and stops at once with a
-  `WorkdirError` naming the holder, unless the holder is dead: its process is
-  gone (same host), or the lock has not been refreshed for STALE_LOCK_SECONDS
-  (another host); then the lock is taken over, and the takeover logged.
+  Created atomically (O_EXCL), naming its holder, touched every LOCK_REFRESH_SECONDS. A
+  second run raises a `WorkdirError` naming the holder, unless that is dead: then it
+  takes the lock over and logs it.
   """
 
   def __init__(self, workdir: str):
@@ -350,8 +316,7 @@ class RunLock:
         logging.warning('Cannot refresh %s: %s', self.path, e)
 
   def _holder(self) -> tuple[dict, float]:
-    """(the holder's record, or {} while it is being written; seconds since its last
-    sign of life)."""
+    """(the holder's record, {} while being written; seconds since its last refresh)."""
     try:
       age = time.time() - os.stat(self.path).st_mtime
       with open(self.path) as f:
@@ -384,8 +349,7 @@ class RunLock:
             f'{STALE_LOCK_SECONDS} s after its last refresh (or delete the file).')
 
   def _take_over(self, holder: dict, why: str) -> None:
-    # Renamed to a name of our own first: of two runs taking over at once, one
-    # rename succeeds; the other finds the lock gone, or the new holder's.
+    # Renamed to our own name first: of two runs taking over at once, one rename succeeds.
     stale = f'{self.path}.stale.{socket.gethostname()}.{os.getpid()}'
     try:
       os.rename(self.path, stale)
@@ -397,10 +361,8 @@ class RunLock:
     except (OSError, ValueError):
       renamed = {}
     if renamed != holder:  # A live run's new lock: put it back (unless yet another is there).
-      try:
+      with contextlib.suppress(OSError):
         os.link(stale, self.path)
-      except OSError:
-        pass
       os.remove(stale)
       return
     logging.warning('Taking over the lock of a dead run (%s): %s.', why, holder or 'unreadable')

@@ -3,14 +3,11 @@ r"""Benchmark: training and evaluation speed, compile time, generation latency, 
   python -m cht_jax.tools.bench --config=configs/omniglot_t5.py --tasks=1,5 \
       --batch_sizes=1,8,32 --output=bench.json
 
-Times the same jit-compiled `train.make_train_step` that training runs, on
-random images of the config's shape (speed does not depend on pixel values);
-the on-device episode sampler alone, so the two can be compared; the forward
-pass of a batch of episodes (what evaluation runs); and the latency of
-generating theta for one new task. Speeds are also given as a fraction of an
-fp32 matrix-product rate measured in the same run (FLOPs from XLA's cost
-analysis), so numbers from different machines compare. Prints a table and
-writes it as JSON.
+Times training's jit-compiled `train.make_train_step` on random images of the config's
+shape, the on-device episode sampler alone, the forward pass (evaluation) and the
+latency of generating theta for one new task. Speeds are also a fraction of an fp32
+matmul rate measured in the same run (FLOPs from XLA's cost analysis), so machines
+compare. Prints a table and writes it as JSON.
 """
 
 import functools
@@ -62,10 +59,8 @@ flags.mark_flag_as_required('config')
 def _time(fn, min_seconds: float, blocking: bool = False) -> float:
   """Seconds per call of `fn` (already compiled), over at least `min_seconds`.
 
-  Calls go back to back, as in training, where JAX's asynchronous dispatch
-  overlaps the Python side of one call with the execution of the one before,
-  in three rounds of which the fastest counts; with `blocking` each call waits
-  for its result, and the mean counts.
+  Calls go back to back as in training (asynchronous dispatch overlaps them), the
+  fastest of three rounds counting; with `blocking` each call waits, the mean counting.
   """
   if blocking:
     return float(np.mean(_latencies([fn], min_seconds)[0]))
@@ -83,10 +78,8 @@ def _time(fn, min_seconds: float, blocking: bool = False) -> float:
 
 
 def _latencies(fns, min_seconds: float, batch: int = 20) -> list[np.ndarray]:
-  """Seconds of each call of each of `fns` (already compiled), each call waiting
-  for its result; at least 3 calls of each and `min_seconds` in all. The
-  functions take turns in batches of `batch` calls, so that a machine whose
-  speed drifts affects all of them alike."""
+  """Seconds of each blocking call of each of `fns`: at least 3 each and `min_seconds` in
+  all, taking turns in batches of `batch` so that a drifting machine affects all alike."""
   seconds, start = [[] for _ in fns], time.perf_counter()
   while len(seconds[0]) < 3 or time.perf_counter() - start < min_seconds:
     for fn, fn_seconds in zip(fns, seconds):
@@ -98,8 +91,7 @@ def _latencies(fns, min_seconds: float, batch: int = 20) -> list[np.ndarray]:
 
 
 def matmul_gflops(min_seconds: float = 2.0) -> float:
-  """fp32 matrix-product rate of this machine (all its devices at once), to
-  express speeds as fractions of it."""
+  """fp32 matrix-product GFLOP/s of this machine (all its devices at once)."""
   mesh = devices.data_mesh()
   n = mesh.shape['data']
   a = jax.device_put(jnp.ones((n, 1024, 1024), jnp.float32),
@@ -120,10 +112,8 @@ def _peak_memory_bytes() -> int:
 def episode_flops(config, ht, params, episode) -> float:
   """XLA-counted FLOPs of one episode's loss and gradient.
 
-  Counted on the vmapped, unrolled form: XLA's cost analysis counts the body
-  of a loop once whatever its trip count, so the looped step (CPU) or the
-  scan over tasks would be undercounted. Without rematerialisation: the
-  work of the step itself, whether or not the timed step recomputes some.
+  On the vmapped, unrolled form (cost analysis counts a loop body once), without
+  rematerialisation: the step's own work, whatever the timed step recomputes.
   """
   loss = lambda p: continual.episode_loss(ht, p, episode, config.loss, remat=False,
                                           vectorize=True, unroll=True)[0]
@@ -137,9 +127,8 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
                  count_flops: bool = True) -> dict:
   """Times one (T, episodes per step) setting.
 
-  `flops_cache`: T -> FLOPs of one episode, filled on first use (one compile per T).
-  Without `extras` only the training step is timed; with `profile_steps` that
-  many steps are traced too (`profiling.profile_calls`, row key 'profile').
+  `flops_cache`: T -> FLOPs of one episode, filled on first use. Without `extras` only
+  the training step is timed; `profile_steps` steps are traced into row['profile'].
   """
   config = config.copy_and_resolve_references()
   config.train.episodes_per_step = batch_size
@@ -169,17 +158,13 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   step_seconds = _time(one_step, min_seconds)
   params = holder[0].params
   row = {
-      'num_tasks': config.episode.num_tasks,
-      'episodes_per_step': batch_size,
-      'num_devices': devices.num_data_devices(batch_size),
-      'compile_s': compile_seconds,
-      'steps_per_s': 1 / step_seconds,
-      'episodes_per_s': batch_size / step_seconds,
+      'num_tasks': num_tasks, 'episodes_per_step': batch_size,
+      'num_devices': devices.num_data_devices(batch_size), 'compile_s': compile_seconds,
+      'steps_per_s': 1 / step_seconds, 'episodes_per_s': batch_size / step_seconds,
       'step_gflops': step_flops / 1e9,
       'fraction_of_matmul_rate': step_flops / step_seconds / 1e9 / matmul_rate,
-      'forward_episodes_per_s': float('nan'),
-      'sampling_episodes_per_s': float('nan'),
-      'sampling_share_of_step': float('nan'),
+      **dict.fromkeys(('forward_episodes_per_s', 'sampling_episodes_per_s',
+                       'sampling_share_of_step'), float('nan')),
   }
   if profile_steps:
     hlo_text = compiled.as_text()
@@ -208,15 +193,10 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
 def generation_latency(config, class_images, min_seconds: float) -> dict[str, float]:
   """Seconds to generate theta_t for one new task from its support set and theta_{t-1}.
 
-  Times `api.compile_generator` (what `api.learn_task` runs: the parameters
-  are constants of the compiled program) and, taking turns with it, the same
-  function with the parameters as arguments, as training passes them.
-
-  Returns the median, mean and 90th percentile of the former over the calls
-  (one at a time, each waiting for its result), their number, the median of
-  the fastest of three consecutive rounds of them (as `_time` takes the
-  fastest round: a shared machine has slow phases of seconds in which every
-  call takes longer), and the latter's median.
+  Times `api.compile_generator` (`api.learn_task`'s, parameters as constants) against
+  the same function with the parameters as arguments (as in training). Returns the
+  former's median, mean, p90, number of calls and median of the fastest of three
+  consecutive rounds (as `_time`), and the latter's median.
   """
   ht = models.build_hypertransformer(config)
   spec = datasets.episode_spec(config)
@@ -254,43 +234,42 @@ def main(argv):
   print(f"{'T':>2} {'B':>3} {'dev':>3} {'compile s':>9} {'steps/s':>8} {'episodes/s':>10} "
         f"{'of matmul':>9} {'eval ep/s':>9} {'sampling ep/s':>13} {'peak MB':>8}", flush=True)
   rows, flops_cache = [], {}
+
+  def write_output():  # After each row too: a run killed later keeps what it measured.
+    if FLAGS.output:
+      with open(FLAGS.output, 'w') as f:
+        json.dump({**header, 'rows': rows}, f, indent=2)
+
   for num_tasks in FLAGS.tasks or [config.episode.num_tasks]:
     config.episode.num_tasks = int(num_tasks)
     for batch_size in FLAGS.batch_sizes:
-      # Each row is printed as soon as it is measured: a long run shows progress
-      # and a killed one keeps what it had.
+      trace_dir = FLAGS.trace_dir and f'{FLAGS.trace_dir}/T{num_tasks}_B{batch_size}'
       r = bench_config(config, int(batch_size), class_images, FLAGS.min_seconds, gflops,
-                       flops_cache, extras=FLAGS.extras, count_flops=FLAGS.count_flops, profile_steps=FLAGS.profile_steps,
-                       trace_dir=FLAGS.trace_dir and f'{FLAGS.trace_dir}/T{num_tasks}_B{batch_size}')
+                       flops_cache, extras=FLAGS.extras, count_flops=FLAGS.count_flops,
+                       profile_steps=FLAGS.profile_steps, trace_dir=trace_dir)
       rows.append(r)
       print(f"{r['num_tasks']:>2} {r['episodes_per_step']:>3} {r['num_devices']:>3} "
-            f"{r['compile_s']:>9.1f} "
-            f"{r['steps_per_s']:>8.2f} {r['episodes_per_s']:>10.1f} "
+            f"{r['compile_s']:>9.1f} {r['steps_per_s']:>8.2f} {r['episodes_per_s']:>10.1f} "
             f"{r['fraction_of_matmul_rate']:>9.1%} {r['forward_episodes_per_s']:>9.1f} "
             f"{r['sampling_episodes_per_s']:>13.0f} {r['peak_memory_bytes'] / 2**20:>8.0f}",
             flush=True)
       if 'profile' in r:
         print(profiling.format_table(r['profile']), flush=True)
-      if FLAGS.output:  # After each row: a run killed later keeps what it measured.
-        with open(FLAGS.output, 'w') as f:
-          json.dump({**header, 'rows': rows}, f, indent=2)
+      write_output()
   if not FLAGS.extras:
     return
   latency = generation_latency(config, class_images, FLAGS.min_seconds / 2)
-  header['generation_latency_ms'] = latency['median'] * 1e3
-  header['generation_latency_mean_ms'] = latency['mean'] * 1e3
-  header['generation_latency_p90_ms'] = latency['p90'] * 1e3
-  header['generation_latency_best_round_ms'] = latency['best_round_median'] * 1e3
-  header['generation_latency_params_as_arguments_ms'] = latency['params_as_arguments_median'] * 1e3
+  for name, key in (('', 'median'), ('_mean', 'mean'), ('_p90', 'p90'),
+                    ('_best_round', 'best_round_median'),
+                    ('_params_as_arguments', 'params_as_arguments_median')):
+    header[f'generation_latency{name}_ms'] = latency[key] * 1e3
   print(f"generating theta for one new task: {header['generation_latency_ms']:.2f} ms median "
         f"(mean {header['generation_latency_mean_ms']:.2f}, 90th percentile "
         f"{header['generation_latency_p90_ms']:.2f}, {latency['calls']} calls; fastest of "
         f"three rounds {header['generation_latency_best_round_ms']:.2f}); "
         f"{header['generation_latency_params_as_arguments_ms']:.2f} ms median with the "
         'parameters as arguments')
-  if FLAGS.output:
-    with open(FLAGS.output, 'w') as f:
-      json.dump({**header, 'rows': rows}, f, indent=2)
+  write_output()
 
 
 if __name__ == '__main__':

@@ -1,8 +1,8 @@
 """Times jit-compiled `sample_episodes` on random Omniglot-shaped data.
 
-Usage: python -m cht_jax.tools.bench_episodes [--num_iters=50]
-Config: T=5 tasks, 20-way 1-shot, 3 queries per class, training rotations,
-class images uint8 [1150, 20, 28, 28, 1], episodes per call B in {1, 8, 32}.
+  python -m cht_jax.tools.bench_episodes [--num_iters=50]
+
+T=5, 20-way 1-shot, 3 queries per class, rotations, class images uint8 [1150, 20, 28, 28, 1].
 """
 
 import functools
@@ -16,23 +16,19 @@ import numpy as np
 from cht_jax.data import episodes
 
 _NUM_ITERS = flags.DEFINE_integer('num_iters', 50, 'Timed calls per B.')
-_BATCH_SIZES = flags.DEFINE_list('batch_sizes', ['1', '8', '32'],
-                                 'Episodes per call.')
+_BATCH_SIZES = flags.DEFINE_list('batch_sizes', ['1', '8', '32'], 'Episodes per call.')
 
 
 def main(argv):
   del argv
-  spec = episodes.EpisodeSpec(num_tasks=5, ways=20, shots=1,
-                              queries_per_class=3)
+  spec = episodes.EpisodeSpec(num_tasks=5, ways=20, shots=1, queries_per_class=3)
   rng = np.random.default_rng(0)
-  class_images = jax.device_put(
-      rng.integers(0, 256, (1150, 20, 28, 28, 1), dtype=np.uint8))
+  class_images = jax.device_put(rng.integers(0, 256, (1150, 20, 28, 28, 1), dtype=np.uint8))
 
   @functools.partial(jax.jit, static_argnums=(3,))
   def sample(key, step, images, batch):
     # As in a train step: the per-step key is derived inside the jit.
-    return episodes.sample_episodes(jax.random.fold_in(key, step), images,
-                                    spec, batch, True)
+    return episodes.sample_episodes(jax.random.fold_in(key, step), images, spec, batch, True)
 
   print(f'device: {jax.devices()[0]}; spec: {spec}')
   key = jax.random.key(0)

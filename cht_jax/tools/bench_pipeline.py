@@ -1,20 +1,13 @@
 """Does the host pipeline keep up with the training step at 84x84?
 
-Usage:
   python -m cht_jax.tools.bench_pipeline [--mode=both|pipeline|step]
       [--config=configs/tiered_imagenet_t2.py] [--num_steps=20]
 
-* pipeline: writes a fake tieredImageNet-shaped pickled release (84x84 RGB
-  PNGs of smooth random images plus noise, about the size of the real ones)
-  to a temporary folder, prepares it with the TFDS builder (ArrayRecord), and
-  times `pipeline.episode_batches` alone (uint8 images, as training reads
-  them): episodes/s, images/s.
-* step: times the jitted training step of the config (`train.make_train_step`
-  with host=True, the batch already on device) on a fixed batch: steps/s and
-  episodes/s. Needs JAX only (no TensorFlow), so it also runs on a GPU
-  machine without TF.
-Both print one line each; the pipeline keeps up when its episodes/s exceed
-the step's.
+pipeline: times `pipeline.episode_batches` alone (uint8 images) on a fake
+tieredImageNet-shaped release (smooth random 84x84 RGB PNGs plus noise, about the real
+ones' size) prepared with the TFDS builder. step: times the config's jitted
+`train.make_train_step` (host=True) on a fixed batch on device; needs no TensorFlow.
+The pipeline keeps up when its episodes/s exceed the step's.
 """
 
 import io
@@ -38,8 +31,7 @@ _CLASSES = flags.DEFINE_integer('num_classes', 20, 'Fake training classes.')
 _IMAGES = flags.DEFINE_integer('images_per_class', 40, 'Fake images per class.')
 
 
-def fake_release(folder: str, num_classes: int, images_per_class: int,
-                 seed: int = 0) -> float:
+def fake_release(folder: str, num_classes: int, images_per_class: int, seed: int = 0) -> float:
   """Writes a pickled release (2 val / 2 test classes); returns mean PNG bytes."""
   from PIL import Image  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(seed)

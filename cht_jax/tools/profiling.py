@@ -1,14 +1,9 @@
 """Where a compiled step's time goes: per-operation times from a JAX profiler trace.
 
-`profile_calls` traces a few calls of an already compiled function with
-`jax.profiler.trace` and reads the trace back with `jax.profiler.ProfileData`
-(no TensorBoard plugin needed). On a GPU the device plane's lines (its
-'XLA Ops' line, or one line per CUDA stream where XLA runs the step as CUDA
-graphs) hold one event per kernel; on CPU the host threads' events stand in.
-Times are summed per kernel name and per the JAX operation it came from, read
-from the optimised HLO's `op_name` metadata where the HLO text is given (a
-kernel is named after its fusion, '.' written '_'), else from the event's
-`tf_op` stat, so a table names both the kernel and the model code behind it.
+`profile_calls` traces a few calls (`jax.profiler.trace`), reads them back with
+`jax.profiler.ProfileData` (a GPU's kernels, or the CPU host's XLA threads) and sums the
+times per kernel and per the JAX op behind it: the optimised HLO's `op_name` (kernels are
+named after their fusion, '.' written '_'), else the event's `tf_op` stat.
 """
 
 import collections
@@ -62,9 +57,8 @@ def op_times(xplane_path: str, sources: dict[str, str] | None = None) -> dict:
       for event in line.events:
         ns = int(event.duration_ns)
         stats = _stats(event)
-        source = sources.get(event.name) or str(stats.get('tf_op', '')
-                                                 or stats.get('long_name', ''))
-        source = source[:160]
+        source = (sources.get(event.name)
+                  or str(stats.get('tf_op', '') or stats.get('long_name', '')))[:160]
         entry = by_op[event.name]
         entry[0] += ns
         entry[1] += 1
@@ -81,12 +75,8 @@ def op_times(xplane_path: str, sources: dict[str, str] | None = None) -> dict:
 
 def profile_calls(fn, num_calls: int, trace_dir: str | None = None,
                   hlo_text: str | None = None) -> dict:
-  """Traces `num_calls` back-to-back calls of `fn` (compiled, warmed up).
-
-  Returns `op_times` per call (device time, op counts) and the wall time per
-  call over the traced calls, so the gap between the two (launch overhead,
-  idle device) shows.
-  """
+  """Traces `num_calls` back-to-back calls of `fn` (compiled); returns `op_times` and the
+  wall time per call, whose gap shows launch overhead and idle device time."""
   trace_dir = trace_dir or tempfile.mkdtemp(prefix='cht_jax_profile_')
   jax.block_until_ready(fn())
   with jax.profiler.trace(trace_dir):

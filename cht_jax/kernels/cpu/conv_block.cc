@@ -1,30 +1,18 @@
-// The generated CNN's block, conv -> ReLU -> 2x2 max-pool -> BatchNorm,
-// fused, for XLA:CPU (XLA FFI).
+// The generated CNN's block, conv -> ReLU -> 2x2 max-pool -> BatchNorm, fused
+// for XLA:CPU (XLA FFI); built by library.py, called by conv_block.py.
 //
-// Built on first use by library.py (g++ -O3 -march=native), with encoder.cc
-// into one library; conv_block.py calls it. Why: the
-// generated CNN has 8 channels, so XLA:CPU spends a training step moving small
-// tensors (patch gathers, transposes, pooling, the norm and their gradients)
-// in ~2,500 separate operations per episode. Here one call does the forward
-// pass and one the backward pass of a block, on the calling device's thread.
-// docs/performance.md has the measurements.
-//
-// Layouts (row-major, leading batch dimensions B allowed on every operand, for
-// vmap's 'broadcast_all'):
+// Layouts (row-major, leading batch dimensions B... on every operand):
 //   x       [B..., N, H, W, Ci]     f32  input
 //   kernel  [B..., K, K, Ci, Co]    f32  odd K, stride 1, 'SAME' zero padding
 //   scale, bias [B..., Co]          f32  the norm's; attribute epsilon
 //   pooled  [B..., N, H/2, W/2, Co] f32  max-pool(relu(conv(x, kernel)))
-//   y       [B..., N, H/2, W/2, Co] f32  the norm of pooled with its own
-//                                        statistics over N, H/2, W/2
-// ChtConvBlockNormForward: x, kernel, scale, bias -> y (nothing differentiates it).
-// ChtConvBlockNormTrainForward: -> y and, for the backward pass, pooled,
-//   arg [B..., N, H/2, W/2, Co] s8 (which of the 4 pooled positions won,
-//   a * 2 + b, or -1 where pooled == 0), mean and inv = 1/sqrt(var + eps),
-//   [B..., Co] each.
-// ChtConvBlockNormBackward: those and dy -> dx, dkernel, dscale, dbias. The
-// gradient goes to the first maximum of each window (ties between positive
-// pre-activations only; JAX's reduce-max would split it between them).
+//   y       [B..., N, H/2, W/2, Co] f32  pooled normalised over N, H/2, W/2
+// ChtConvBlockNormForward: x, kernel, scale, bias -> y.
+// ChtConvBlockNormTrainForward: -> y, pooled, arg [B..., N, H/2, W/2, Co] s8
+//   (the winning pooled position a * 2 + b, or -1 where pooled == 0), mean and
+//   inv = 1/sqrt(var + eps) [B..., Co].
+// ChtConvBlockNormBackward: those and dy -> dx, dkernel, dscale, dbias; the
+// gradient goes to the first maximum of each window.
 
 #include <cmath>
 #include <cstdint>
@@ -71,8 +59,7 @@ ffi::Error GetShape(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>&
   return ffi::Error::Success();
 }
 
-// Eight output channels per vector (GCC/Clang vector extensions; AVX2 or
-// AVX-512 under -march=native). The generated CNN has 8 channels per block.
+// Eight output channels per vector (GCC/Clang vector extensions, AVX2 or AVX-512).
 typedef float v8 __attribute__((vector_size(32)));
 
 inline v8 Load(const float* p) {
@@ -86,8 +73,7 @@ inline float Sum(v8 v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
-// One image, zero-padded by `pad` on both spatial sides: [H + 2 pad, W + 2 pad, C].
-// The loops below then need no bounds checks.
+// One image zero-padded by `pad` on both spatial sides, so loops need no bounds checks.
 void PadImage(const float* image, int64_t h, int64_t w, int64_t c, int64_t pad,
               std::vector<float>* padded) {
   const int64_t wp = w + 2 * pad;
@@ -99,8 +85,7 @@ void PadImage(const float* image, int64_t h, int64_t w, int64_t c, int64_t pad,
 }
 
 // The pooling windows (i, j) .. (i, j + J - 1) of image n: their 4 J conv
-// outputs at once, 4 J independent chains of multiply-adds (8 keep both FMA
-// units busy; one window's 4 leave half of them idle).
+// outputs at once, as 4 J independent multiply-add chains for the FMA units.
 template <int NV, int CI, int J>
 inline void ForwardWindows(const Shape& s, const float* padded, const float* kernel, int64_t n,
                            int64_t i, int64_t j, float* y, int8_t* arg) {
@@ -127,8 +112,7 @@ inline void ForwardWindows(const Shape& s, const float* padded, const float* ker
       }
     }
   }
-  // relu then max == max then relu: the maximum starts at 0 with no winner
-  // (-1); the window's first maximum wins (strict >).
+  // relu(max) == max(relu): start at 0 with no winner (-1); the first maximum wins.
   for (int c = 0; c < J; ++c) {
     const int64_t o = ((n * s.hp() + i) * s.wp() + j + c) * co;
     for (int v = 0; v < NV; ++v) {
@@ -148,11 +132,8 @@ inline void ForwardWindows(const Shape& s, const float* padded, const float* ker
 }
 
 // NV = C_out / 8 vectors of output channels; CI = C_in, or 0 to read it from
-// the shape. Both fixed at compile time let the loops below unroll into
-// registers.
-//
-// Not inlined: inlined into a caller (the FFI handlers' loops), GCC
-// allocated the accumulators worse (14x14x8 block 68 -> 95-111 us).
+// the shape: compile-time constants unroll the loops into registers. Not
+// inlined: inlined, GCC allocates the accumulators worse.
 template <int NV, int CI>
 __attribute__((noinline)) void Forward(const Shape& s, const float* x, const float* kernel,
                                        float* y, int8_t* arg) {
@@ -174,12 +155,8 @@ __attribute__((noinline)) void Forward(const Shape& s, const float* x, const flo
   }
 }
 
-// The BatchNorm after each block, on y [rows, 8 NV] (rows = N * H/2 * W/2)
-// with y's own statistics over the rows (cnn.batch_stat_norm): mean, and
-// inv = 1 / sqrt(var + epsilon) with var the mean squared deviation.
-
-// Sums over the rows of value(r, v), a vector of 8 columns, per vector v;
-// four partial sums per vector for speed.
+// The BatchNorm on y [rows, 8 NV] (rows = N * H/2 * W/2): cnn.batch_stat_norm.
+// Sums over the rows of value(r, v), 8 columns, per vector v; 4 partial sums.
 template <int NV, typename Fn>
 inline void ColumnSums(int64_t rows, Fn value, v8* sums) {
   v8 part[4][NV];
@@ -263,9 +240,8 @@ void Backward(const Shape& s, const float* x, const float* kernel, const int8_t*
         for (int64_t c = 0; c < co; ++c)
           kernel_t[(t * co + c) * ci_n + ci] = kernel[(t * ci_n + ci) * co + c];
   }
-  // dkernel's (tap, C_in) rows, F at a time (F sums per output vector kept in
-  // registers, independent chains); each row's offset in the padded input
-  // relative to the conv output's position. The last group repeats row 0.
+  // dkernel's (tap, C_in) rows, F at a time (F sums in registers); each row's
+  // offset in the padded input from the conv output's position. The last group repeats row 0.
   constexpr int F = 16 / NV;
   const int64_t rows = taps * ci_n, groups = (rows + F - 1) / F;
   std::vector<int64_t> row_offset(groups * F, 0);
@@ -276,9 +252,8 @@ void Backward(const Shape& s, const float* x, const float* kernel, const int8_t*
   std::vector<float> padded, grad;
   for (int64_t n = 0; n < s.n; ++n) {
     PadImage(x + n * s.h * s.w * ci_n, s.h, s.w, ci_n, pad, &padded);
-    // The conv output's gradient, dense and zero-padded like the input: dy at
-    // each window's winner, 0 elsewhere (and where ReLU was off). 4 columns of
-    // slack at the end for the dx loop's last group of columns.
+    // The conv output's gradient, zero-padded like the input: dy at each window's
+    // winner, else 0; 4 columns of slack for the dx loop's last group.
     grad.assign((h_padded * w_padded + 4) * co, 0.0f);
     for (int64_t i = 0; i < hp; ++i) {
       for (int64_t j = 0; j < wp; ++j) {
@@ -312,9 +287,8 @@ void Backward(const Shape& s, const float* x, const float* kernel, const int8_t*
         for (int v = 0; v < NV; ++v) Store(dkp + 8 * v, Load(dkp + 8 * v) + sum[f][v]);
       }
     }
-    // dx[r, c] = sum over taps of grad[r - di + pad, c - dj + pad] . kernel[tap]^T,
-    // that is grad's padded [r - di + 2 pad, c - dj + 2 pad]; 4 columns at a
-    // time, for 4 independent chains.
+    // dx[r, c] = sum over taps of grad[r - di + pad, c - dj + pad] . kernel[tap]^T
+    // (grad's padded [r - di + 2 pad, c - dj + 2 pad]), 4 columns at a time.
     float* dxn = dx + n * s.h * s.w * ci_n;
     for (int64_t r = 0; r < s.h; ++r) {
       for (int64_t c0 = 0; c0 < s.w; c0 += 4) {
@@ -349,8 +323,7 @@ void Backward(const Shape& s, const float* x, const float* kernel, const int8_t*
   }
 }
 
-// Calls fn(NV, CI) with compile-time constants: C_out / 8, and C_in where it
-// is 1 or 8 (the generated CNN's), else 0 (read at run time).
+// Calls fn(NV, CI) with compile-time C_out / 8, and C_in if 1 or 8, else 0 (run time).
 template <typename Fn>
 ffi::Error Dispatch(int64_t ci, int64_t co, Fn&& fn) {
   auto with_ci = [&](auto nv) {
@@ -378,9 +351,8 @@ ffi::Error CheckNormShapes(const Shape& s, const ffi::Buffer<ffi::F32>& scale,
   return ffi::Error::Success();
 }
 
-// One batch element's block and norm: pooled = the block's output, y = its
-// norm. Forward only, arg, mean_out and inv_out are null and pooled is y
-// (normalised in place); for training they keep what the backward pass needs.
+// One batch element's block (pooled) and norm (y). Forward only, arg, mean_out
+// and inv_out are null and pooled is y (normalised in place).
 template <int NV, int CI>
 void BlockNormForward(const Shape& s, const float* x, const float* kernel, const float* scale,
                       const float* bias, float epsilon, float* pooled, float* y, int8_t* arg,
@@ -397,7 +369,7 @@ void BlockNormForward(const Shape& s, const float* x, const float* kernel, const
   }
 }
 
-// Forward only (no winners, no statistics kept): the block and its norm.
+// Forward only: no winners or statistics kept.
 ffi::Error NormForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
                            float epsilon, ffi::ResultBuffer<ffi::F32> y) {
@@ -415,8 +387,7 @@ ffi::Error NormForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel
   });
 }
 
-// For training: the block and its norm, keeping what the backward pass needs:
-// the pooled output before the norm, the winners, mean and inv [B..., Co].
+// For training: also what the backward pass needs (pooled, winners, mean, inv).
 ffi::Error NormTrainForwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
                                 ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
                                 float epsilon, ffi::ResultBuffer<ffi::F32> y,

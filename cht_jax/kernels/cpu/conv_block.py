@@ -1,11 +1,8 @@
 """The generated CNN's block, conv -> ReLU -> 2x2 max-pool -> BatchNorm, as one C++ call each way.
 
-`conv_block.cc` through the XLA FFI, forward and backward. It gives the numbers
-of `cnn.conv_block` up to float rounding, and its gradients except where two
-positive pre-activations of a pooling window tie (all the gradient goes to the
-first, where JAX's reduce-max splits it). It has a first derivative only:
-nothing in CHT's training differentiates twice, but second-order MAML cannot
-use it.
+`conv_block.cc` through the XLA FFI: `cnn.conv_block`'s numbers up to float
+rounding, and its first derivative except where a pooling window's positive
+maxima tie (the first gets it all; JAX's reduce-max splits it).
 """
 
 import functools
@@ -37,7 +34,7 @@ def unsupported(x: jax.Array, kernel: jax.Array) -> str | None:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _conv_relu_pool_norm(x, kernel, scale, bias, epsilon):
-  # Where nothing differentiates it: no winners or statistics kept.
+  # Where nothing differentiates it: no pooling winners or statistics kept.
   call = jax.ffi.ffi_call('cht_conv_block_norm_forward', _pooled_shapes(x, kernel)[0],
                           vmap_method='broadcast_all')
   return call(x, kernel, scale, bias, epsilon=np.float32(epsilon))
@@ -65,24 +62,10 @@ _conv_relu_pool_norm.defvjp(_norm_fwd, _norm_bwd)
 
 def conv_relu_pool_norm(x: jax.Array, kernel: jax.Array, scale: jax.Array, bias: jax.Array,
                         epsilon: float) -> jax.Array:
-  """The generated CNN's block on the CPU, one call each way.
+  """`cnn.conv_block` on the CPU, one call each way; ValueError for inputs it cannot take.
 
-  conv2d(x, kernel, stride 1, 'SAME') -> ReLU -> 2x2 max-pool -> BatchNorm with
-  the statistics of the pooled output (`cnn.batch_stat_norm`). Where nothing
-  differentiates it, a lighter forward call keeps neither the pooling winners
-  nor the statistics.
-
-  Args:
-    x: [N, H, W, C_in] float32.
-    kernel: [k, k, C_in, C_out] float32, k odd, C_out in (8, 16, 32, 64).
-    scale, bias: [C_out] float32.
-    epsilon: added to the variance.
-
-  Returns:
-    [N, H // 2, W // 2, C_out].
-
-  Raises:
-    ValueError: for inputs the kernel does not handle.
+  x [N, H, W, C_in] -> [N, H // 2, W // 2, C_out], kernel [k, k, C_in, C_out] with
+  k odd, C_out in (8, 16, 32, 64), all float32.
   """
   reason = unsupported(x, kernel)
   if reason:

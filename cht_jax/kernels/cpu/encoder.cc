@@ -1,22 +1,14 @@
 // The HyperTransformer's encoder (transformer.Encoder), forward only, as one
-// XLA:CPU call per stack of layers (XLA FFI).
-//
-// Built with conv_block.cc by library.py; encoder.py calls it. Why:
-// generating theta runs five small encoders (28-40 tokens of width 80-104),
-// ~22 XLA:CPU operations per layer, most of them ~1 us of work behind a
-// thread-pool hand-off. Here a whole stack is one call, its rows split between
-// the calling thread and a helper (threads.h). Forward only: training
-// differentiates the encoder, and there it runs as XLA ops
-// (ops.forward_with_gradient_of).
+// XLA:CPU call per stack of layers (XLA FFI); built by library.py, called by
+// encoder.py. Rows are split between the caller and a helper (threads.h).
 //
 // Math (post-LayerNorm, as transformer.py):
 //   x = LN(x + (softmax(q_h k_h^T / sqrt(d)) v_h)_h Wo + bo)
 //   x = LN(x + act(x Wi + bi) Wf + bf)
-// Operands, row-major; tokens [B..., L, E] and the output alike; then 16 per
+// Operands, row-major: tokens [B..., L, E] (the output alike), then 16 per
 // layer: query, key, value, output (kernel [in, out], bias [out] each),
-// attention_norm (scale, bias [E]), ffn_inner, ffn_output (kernel, bias),
-// ffn_norm (scale, bias). A parameter may have the tokens' leading dimensions
-// or none (vmap's 'expand_dims' gives it size-1 ones): then it is shared.
+// attention_norm (scale, bias [E]), ffn_inner, ffn_output, ffn_norm. A
+// parameter with size-1 leading dimensions is shared across the batch.
 
 #include <cmath>
 #include <cstdint>
@@ -44,7 +36,7 @@ enum Activation { kRelu = 0, kGelu = 1, kLeakyRelu = 2 };
 template <int MR, int NV>
 void GemmBlock(int64_t k_size, const float* a, int64_t lda, const float* b, int64_t ldb,
                const float* bias, float* c, int64_t ldc, __mmask16 last) {
-  // Fully unrolled (pragmas), so that the accumulators live in registers.
+  // Fully unrolled, so that the accumulators live in registers.
   __m512 acc[MR][NV];
 #pragma GCC unroll 4
   for (int v = 0; v < NV; ++v) {
@@ -176,8 +168,7 @@ void SoftmaxRows(int64_t m, int64_t n, float* s, int64_t ld, float scale) {
   }
 }
 
-// x = LN(x + y) over rows of width e, with flax.linen.LayerNorm's statistics
-// (variance as E[x^2] - E[x]^2).
+// x = LN(x + y) over rows of width e, variance as flax's E[x^2] - E[x]^2.
 void AddLayerNorm(int64_t m, int64_t e, float* x, const float* y, const float* scale,
                   const float* bias) {
   for (int64_t i = 0; i < m; ++i) {
@@ -266,10 +257,9 @@ struct Dims {
   int64_t length, width, query_key, value, inner, heads;
 };
 
-// One encoder stack on x [L, E], in place, as phases over row halves (see
-// threads.h): per layer, (1) q, k, v of the rows; (2) those rows'
-// attention over all keys and values, and the rest of the layer, which is row
-// by row.
+// One encoder stack on x [L, E], in place, as phases over row halves
+// (threads.h): per layer, (1) q, k, v of the rows; (2) their attention and the
+// rest of the layer.
 class Stack {
  public:
   static constexpr int kHalves = 2;

@@ -1,8 +1,7 @@
 """`transformer.Encoder`'s forward pass, a whole stack of layers, as one C++ call.
 
-`encoder.cc` through the XLA FFI, on the calling thread and one helper from
-XLA's pool (`threads.h`). It has no gradient: the model runs it only where
-nothing differentiates the encoder (generating theta to evaluate or deploy).
+`encoder.cc` through the XLA FFI. No gradient: the model runs it only where
+nothing differentiates the encoder.
 """
 
 import jax
@@ -23,16 +22,8 @@ _LAYER_PARAMS = tuple(
 
 def encoder_forward(params: dict, tokens: jax.Array, num_heads: int,
                     activation: str) -> jax.Array:
-  """`transformer.Encoder`'s forward pass as one call (no gradient of its own).
-
-  Args:
-    params: the Encoder's params: {'layer_0': ..., 'layer_1': ...}.
-    tokens: [L, E] float32 (vmap adds batch dimensions).
-    num_heads, activation: the Encoder's attributes.
-
-  Returns:
-    [L, E], equal to the Encoder's output up to float rounding.
-  """
+  """`transformer.Encoder`'s forward pass of tokens [L, E] float32 under `params`
+  ({'layer_0': ...}), equal to it up to float rounding."""
   library.load()
   leaves = []
   for i in range(len(params)):
@@ -42,8 +33,7 @@ def encoder_forward(params: dict, tokens: jax.Array, num_heads: int,
       for name in path:
         module = module[name]
       leaves.append(module[leaf])
-  # 'expand_dims': under vmap, unbatched parameters get size-1 leading
-  # dimensions, which the kernel reads as shared (no copies).
+  # 'expand_dims': unbatched parameters get size-1 leading dimensions, read as shared.
   call = jax.ffi.ffi_call('cht_encoder_forward', jax.ShapeDtypeStruct(tokens.shape, jnp.float32),
                           vmap_method='expand_dims')
   return call(tokens, *leaves, num_heads=np.int64(num_heads),

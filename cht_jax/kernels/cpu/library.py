@@ -1,8 +1,6 @@
 """Builds the C++ kernels (once per machine, cached) and registers them with XLA:CPU.
 
-The library is compiled on first use into `$CHT_JAX_KERNEL_CACHE` (by default
-~/.cache/cht_jax), keyed by the sources, jaxlib's version, the compiler flags
-and the CPU, and loaded from there afterwards.
+Cache: `$CHT_JAX_KERNEL_CACHE` (default ~/.cache/cht_jax), keyed by sources, jaxlib, flags, CPU.
 """
 
 import ctypes
@@ -50,10 +48,9 @@ def _cpu_signature() -> str:
 
 
 def build() -> pathlib.Path:
-  """The compiled library's path, compiling it first where the cache lacks it.
+  """The compiled library's path, compiled first where the cache lacks it.
 
-  Raises:
-    KernelBuildError: no compiler, or the sources do not compile.
+  Raises KernelBuildError where there is no compiler or the sources do not compile.
   """
   key = hashlib.sha256(b'\0'.join([
       *(source.read_bytes() for source in _SOURCES + _HEADERS), jaxlib.__version__.encode(),

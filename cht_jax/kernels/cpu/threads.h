@@ -1,11 +1,9 @@
 // Work split between the calling thread and one helper from XLA:CPU's pool.
 //
-// fn(phase, item) runs for every item of every phase; an item starts only once
-// every item of the phase before it is done. Items are claimed one by one
-// from a shared counter, so the caller runs them all when no helper comes (a
-// busy pool, or none), and which thread runs an item never changes its
-// result. The helper may start after RunPhases has returned: it then finds
-// nothing to claim, and the state it reads is kept alive by its own reference.
+// fn(phase, item) runs for every item of every phase, once the phase before is
+// done. Items are claimed from a shared counter, so the caller runs them all if
+// no helper comes, and no result depends on the thread. A helper starting after
+// RunPhases returns finds nothing to claim; its reference keeps the state alive.
 
 #ifndef CHT_JAX_KERNELS_CPU_THREADS_H_
 #define CHT_JAX_KERNELS_CPU_THREADS_H_
