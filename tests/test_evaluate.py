@@ -233,7 +233,8 @@ def test_a_checkpoint_of_other_devices_restores_on_these(tmp_path):
   # GPUs, or on 2 CPU devices, and evaluating in a 1-device process).
   others = jax.device_count() + 1
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=f'{REPO_ROOT}:{REPO_ROOT / "tests"}',
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={others}')
+             XLA_FLAGS=os.environ.get('XLA_FLAGS', '') +
+             f' --xla_force_host_platform_device_count={others}')
   workdir, saved = tmp_path / 'run', tmp_path / 'params.npz'
   result = subprocess.run([sys.executable, '-c', _SAVE_ON_OTHER_DEVICES, str(workdir), str(saved)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -26,7 +26,7 @@ def launch(env, log_path, workdir, data_dir, *flags, num_processes=2, grace_seco
   main_flags = [*TINY, f'--workdir={workdir}', f'--config.data.data_dir={data_dir}', *flags]
   if num_processes == 1:
     argv = [sys.executable, '-m', 'cht_jax.main', *main_flags]
-    env = dict(env, XLA_FLAGS='--xla_force_host_platform_device_count=2')
+    env = dict(env, XLA_FLAGS=env.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=2')
   else:
     argv = [sys.executable, LAUNCHER, f'--num_processes={num_processes}',
             '--devices_per_process=1', f'--grace_seconds={grace_seconds}', '--', *main_flags]

@@ -14,7 +14,8 @@ from conftest import REPO_ROOT
 # Each device loops over its episodes (the CPU default) or vmaps them (the accelerator default).
 @pytest.mark.parametrize('num_devices,vectorize', [(4, 'loop'), (8, 'vmap')])
 def test_sharded_step_equals_single_device(num_devices, vectorize):
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={num_devices}',
+  flags = os.environ.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={num_devices}'
+  env = dict(os.environ, XLA_FLAGS=flags,
              JAX_PLATFORMS='cpu', PYTHONPATH=str(REPO_ROOT))
   result = subprocess.run([sys.executable, 'tests/parallel_worker.py', str(num_devices), vectorize],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
