@@ -178,14 +178,10 @@ def _embed(cnn, theta, images):
 
 def learn_task(model: Model, support_images, support_labels, theta: Any = None,
                prototypes: jax.Array | None = None, unlabeled_images=None) -> Memory:
-  """theta_t and the prototypes of tasks 0..t from the support set of task t.
-
-  `support_images` [S, H, W, C], `support_labels` int [S] in 0..K-1; `theta`, `prototypes`: what
-  `learn_task` returned for the previous task (None for the first); `unlabeled_images`
-  [U, H, W, C] or None, read by the HyperTransformer (of use to a model meta-trained with
-  episode.unlabeled_per_class), not by the prototypes. Returns Memory(theta_t, prototypes
-  [t+1, K, D]), which unpacks as a pair.
-  """
+  """Memory(theta_t, prototypes [t+1, K, D]) from task t's `support_images` [S, H, W, C] and
+  `support_labels` int [S] in 0..K-1, and what `learn_task` returned for task t-1 (None for the
+  first). `unlabeled_images` [U, H, W, C] reach the HyperTransformer only (of use to a model
+  meta-trained with episode.unlabeled_per_class)."""
   if (theta is None) != (prototypes is None):
     raise ValueError('Pass both theta and prototypes of the earlier tasks, or neither.')
   images = preprocess(model, support_images, 'support_images')

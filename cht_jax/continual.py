@@ -54,14 +54,10 @@ def generate_thetas(ht: ht_lib.HyperTransformer, ht_params: Any,
                     support_images: jax.Array, support_labels: jax.Array,
                     theta_init: Any = None, remat: bool = True, unroll: bool = False,
                     unlabeled_images: jax.Array | None = None):
-  """Runs the HyperTransformer over the tasks of one episode: support_images [T, S, H, W, C],
-  support_labels [T, S], unlabeled_images [T, U, H, W, C] or None.
-
-  `theta_init` is theta_{-1} (None: zeros, the first task is plain HT); `remat` recomputes each
-  task's generation in the backward pass (memory); `unroll` unrolls the scan (XLA's cost
-  analysis counts a loop's body once). Returns the thetas, each leaf stacked on a leading T
-  axis, and prototypes [T, K, D], row t from theta_t.
-  """
+  """(thetas, leaves stacked on a leading T axis; prototypes [T, K, D], row t from theta_t) of
+  one episode's support_images [T, S, H, W, C], support_labels [T, S], unlabeled_images
+  [T, U, H, W, C] or None. `theta_init`: theta_{-1} (None: zeros, plain HT); `remat`
+  recomputes each task in the backward pass; `unroll` for XLA's cost analysis."""
   if theta_init is None:
     theta_init = ht_lib.zeros_theta(ht.cnn, support_images.shape[2:])
 
@@ -131,12 +127,9 @@ def pair_losses(loss: str, query_embeddings: jax.Array, query_labels: jax.Array,
 def episode_loss(ht: ht_lib.HyperTransformer, ht_params: Any, episode: Episode,
                  loss: str = 'class_incremental', remat: bool = True,
                  vectorize: bool | None = None, unroll: bool = False):
-  """Algorithm 1 for one episode: sum over t of sum over tau <= t of L(Q(tau); theta_t).
-
-  Each term is the mean over Q(tau) (as the original HT's cross-entropy); the sum as in eq. 2-3.
-  Returns (loss, metrics): 'accuracy' (mean over pairs), 'final_accuracy' (theta_{T-1} on all
-  tasks), 'theta_norm' (global norm of the thetas, watched for divergence).
-  """
+  """Algorithm 1 for one episode: sum over t, tau <= t of L(Q(tau); theta_t), each term the mean
+  over Q(tau) (as the original HT's cross-entropy), the sum as in eq. 2-3. (loss, metrics:
+  'accuracy' over pairs, 'final_accuracy' of theta_{T-1}, 'theta_norm' watched for divergence)."""
   thetas, prototypes = generate_thetas(
       ht, ht_params, episode['support_images'], episode['support_labels'], remat=remat,
       unroll=unroll, unlabeled_images=episode.get('unlabeled_images'))

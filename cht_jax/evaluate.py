@@ -123,11 +123,8 @@ def make_evaluate_batch(method: methods.Method, spec: episodes_lib.EpisodeSpec,
                         num_query_draws: int, vectorize: bool | None = None,
                         mesh: jax.sharding.Mesh | None = None):
   """jit(fn)(params, class_images, key, indices [B]) -> (task_inc, class_inc) [B, P], cached.
-
-  Episode i is drawn from fold_in(key, i): the same whatever the batch size, devices and model.
-  B is split over the devices of `mesh` (1-D, axis 'data'; None: all). `vectorize`: vmap
-  episodes, pairs and draws instead of looping (None: by backend).
-  """
+  Episode i is drawn from fold_in(key, i), whatever the batch size, devices and model; B is
+  split over `mesh` (None: all devices); `vectorize` (None: by backend) vmaps, else loops."""
   pairs = continual.TaskPairs.lower_triangle(spec.num_tasks)
   if vectorize is None:
     vectorize = continual.default_vectorize()
@@ -149,13 +146,9 @@ def make_evaluate_batch(method: methods.Method, spec: episodes_lib.EpisodeSpec,
 def run_protocol(method: methods.Method, params, class_images, protocol: Protocol,
                  spec: episodes_lib.EpisodeSpec | None = None,
                  vectorize: bool | None = None) -> dict[str, Any]:
-  """Runs the protocol in batches of episodes on uint8 `class_images` [C, M, H, W, D].
-
-  `spec`: from `evaluation_spec`; None for the config's (no domain sizes). Returns
-  'task_incremental', 'class_incremental': float64 [E, T, T] per-episode accuracies (NaN above
-  the diagonal), and 'timing': seconds (total; first batch, compilation included) and
-  episodes_per_second (after the first batch).
-  """
+  """The protocol in batches of episodes on uint8 `class_images` [C, M, H, W, D] (`spec`: from
+  `evaluation_spec`, None: the config's): 'task_incremental', 'class_incremental' float64
+  [E, T, T] per-episode accuracies (NaN above the diagonal), and 'timing'."""
   spec = spec or evaluation_spec(method.config, protocol)
   evaluate_batch = make_evaluate_batch(method, spec, protocol.num_query_draws, vectorize)
   num_shards = jax.device_count()
@@ -285,12 +278,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
                         embeddings: str | None = None,
                         dataset: dict[str, np.ndarray] | None = None,
                         **protocol_overrides) -> tuple[dict[str, Any], list[str]]:
-  """Restores a checkpoint of `workdir` (`step`; None: latest), runs the protocol, writes files.
-
-  `embeddings`: also `<prefix>_embeddings.png` by 'umap' or 'pca'; `dataset`: split name -> uint8
-  class images (None: loaded). Returns (results, written paths); headline numbers also go to
-  the metrics log as split `eval_<split>_T<T_eval>` (`_original` added for that sampler).
-  """
+  """(results, written paths) of the protocol on a checkpoint of `workdir` (`step` None: latest);
+  `embeddings` 'umap' or 'pca' adds `<prefix>_embeddings.png`; `dataset`: split -> uint8 class
+  images (None: loaded). Headline numbers also go to metrics.jsonl as `eval_<split>_T<T>`."""
   method = methods.build(config, None if dataset is None else len(dataset['train']))
   params, step = restore_params(workdir, config, step, method)
   if jax.process_index() == 0:  # The one writer of the results (below), checked first.

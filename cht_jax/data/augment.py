@@ -31,14 +31,8 @@ _YIQ_TO_RGB = np.linalg.inv(_RGB_TO_YIQ)
 
 
 class AugmentSpec(NamedTuple):
-  """Strengths of the augmentations (all off by default).
-
-  Attributes:
-    hue: max hue rotation, as a fraction of a full turn (0..0.5).
-    brightness: max additive change on the [0, 1) scale.
-    contrast: max relative change of the contrast (0..1).
-    crop_min_scale: smallest side fraction of the random crop (1: no crop).
-  """
+  """Strengths of the augmentations (all off by default), as in the module docstring: `hue` a
+  fraction of a full turn, `brightness` on the [0, 1) scale, `crop_min_scale` 1: no crop."""
   flip: bool = False
   hue: float = 0.0
   brightness: float = 0.0
@@ -104,10 +98,8 @@ def _augment_one(key: jax.Array, u: jax.Array, spec: AugmentSpec) -> jax.Array:
 
 
 def augment(key: jax.Array, images: jax.Array, spec: AugmentSpec) -> jax.Array:
-  """Augments every image of normalized images [..., H, W, D] independently.
-
-  Returns float32 [..., H, W, D], or `images` itself when `spec.is_identity`.
-  """
+  """Every image of normalized images [..., H, W, D] augmented independently: float32
+  [..., H, W, D], or `images` itself when `spec.is_identity`."""
   if spec.is_identity:
     return images
   shape = images.shape

@@ -59,11 +59,8 @@ def _tiered_builder(config):
 
 
 def load_dataset(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """{split: uint8 [C, M, S, S, D]} for the splits kept in memory.
-
-  With data.pipeline='host' there is no 'train' entry (see `host_batches`);
-  for 'multidomain', 'domain_sizes' maps each split to its domains' class counts.
-  """
+  """{split: uint8 [C, M, S, S, D]} for the splits kept in memory (no 'train' with
+  data.pipeline='host'); 'multidomain' adds 'domain_sizes': split -> its domains' classes."""
   data = config.data
   if data.dataset == 'omniglot':
     return omniglot.load_omniglot(
@@ -91,11 +88,8 @@ def load_dataset(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def host_batches(config: ml_collections.ConfigDict,
                  first_step: int) -> Iterator[dict[str, np.ndarray]]:
-  """Training batches of steps first_step, first_step + 1, ... (uint8 images).
-
-  Each is `episodes.sample_episodes`'s dict of this process's share of the
-  train.episodes_per_step episodes, a function of (config.seed, step, process).
-  """
+  """Training batches of steps first_step, first_step + 1, ...: `episodes.sample_episodes`'s
+  dict (uint8 images) of this process's share of the step, a function of (seed, step, process)."""
   import jax  # pylint: disable=g-import-not-at-top
   from cht_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   if config.data.dataset not in HOST_PIPELINE_DATASETS:

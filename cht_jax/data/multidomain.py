@@ -93,23 +93,10 @@ def load_multidomain(
     fractions: Sequence[float] = (0.7, 0.15, 0.15), split_seed: int = 2022,
     image_size: int = 84, channels: int = 3, images_per_class: int = 20,
 ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, ...]]]:
-  """Loads the domains, preparing them with TFDS if needed.
-
-  Args:
-    data_dir: TFDS data dir (None: TFDS's default).
-    manual_dir: folder of the Omniglot archives (see omniglot.py).
-    domains: a subset of `DOMAINS`, in the order of the arrays.
-    fractions: (train, validation, test) fractions of each domain's classes.
-    split_seed: seed of the class splits.
-    image_size, channels, images_per_class: S, D (3: gray repeated; 1: RGB to gray), M.
-
-  Returns:
-    ({split: uint8 [C_split, M, S, S, D]}, {split: domain_sizes}); a domain
-    with no class in a split is left out of that split's domain_sizes.
-
-  Raises:
-    DataError: a dataset cannot be prepared or read.
-  """
+  """({split: uint8 [C_split, M, S, S, D]}, {split: domain_sizes}) of `domains` (in this order),
+  prepared with TFDS in `data_dir` if needed (Omniglot's archives: `manual_dir`), each domain's
+  classes split by `fractions`; D 3 repeats gray, 1 makes RGB gray. A domain with no class in a
+  split is left out of its domain_sizes. Raises DataError where a dataset cannot be read."""
   unknown = [d for d in domains if d not in DOMAINS]
   if unknown:
     raise ValueError(f'Unknown domains {unknown}; expected some of {DOMAINS}.')

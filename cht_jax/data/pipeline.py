@@ -36,11 +36,8 @@ class ClassIndex(NamedTuple):
 
 def class_index(labels: np.ndarray, classes: Sequence[int] | None = None,
                 min_images: int = 1) -> ClassIndex:
-  """Groups record indices by label [E].
-
-  Keeps `classes` in this order (default: all, ascending), dropping those with
-  fewer than `min_images` records.
-  """
+  """Record indices grouped by label [E], of `classes` in this order (default: all, ascending),
+  without those of fewer than `min_images` records."""
   labels = np.asarray(labels, np.int64)
   order = np.argsort(labels, kind='stable')
   ids, starts, counts = np.unique(labels[order], return_index=True, return_counts=True)
@@ -54,12 +51,8 @@ def class_index(labels: np.ndarray, classes: Sequence[int] | None = None,
 
 
 class EncodedSource:
-  """Random access to encoded images by record index.
-
-  Wraps a sequence of encoded image bytes, or of dicts with them under 'image';
-  with `example_key`, of serialized `tf.train.Example`s with the image under
-  that feature (parsed in the tf.data graph).
-  """
+  """Random access to encoded images by record index: a sequence of image bytes, of dicts with
+  them under 'image', or with `example_key` of serialized `tf.train.Example`s."""
 
   def __init__(self, records: Sequence[Any], example_key: str | None = None):
     self._records = records
@@ -85,10 +78,8 @@ class EncodedSource:
 
 
 def tfds_source(builder, split: str) -> tuple[EncodedSource, np.ndarray]:
-  """(source, labels int64 [E]) of a split prepared as ArrayRecord.
-
-  The labels are cached in `<data_dir>/cht_jax_cache/<name>_<version>_<split>_labels.npy`.
-  """
+  """(source, labels int64 [E]) of a split prepared as ArrayRecord; the labels are cached in
+  `<data_dir>/cht_jax_cache/<name>_<version>_<split>_labels.npy`."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
@@ -138,12 +129,8 @@ def _draw_classes(rng: np.random.Generator, num_classes: int,
 def episode_indices(seed: int, step: int, index: ClassIndex,
                     spec: episodes_lib.EpisodeSpec, num_episodes: int,
                     process: int = 0) -> tuple[np.ndarray, np.ndarray]:
-  """The records of B episodes of one step, a function of (seed, step, process).
-
-  Returns:
-    (records int64 [B, T, K, N+Q+U]: support, queries, then unlabeled, drawn
-    as `episodes._draw_images`; class rows int32 [B, T, K] of `index`).
-  """
+  """(records int64 [B, T, K, N+Q+U]: support, queries, unlabeled, drawn as
+  `episodes._draw_images`; class rows int32 [B, T, K]) of a step, from (seed, step, process)."""
   rng = np.random.default_rng([seed, step, process])
   per_class = episodes_lib.images_per_task(spec)
   classes = np.stack([_draw_classes(rng, len(index.records), spec) for _ in range(num_episodes)])
@@ -182,12 +169,9 @@ def episode_dataset(source: EncodedSource, index: ClassIndex, spec: episodes_lib
                     num_episodes: int, seed: int, first_step: int, image_size: int,
                     channels: int, normalize: bool = True, num_steps: int | None = None,
                     process: int = 0):
-  """A tf.data.Dataset of episode batches, element i for step first_step + i.
-
-  Elements have `episodes.sample_episodes`'s keys and shapes for B =
-  `num_episodes`; images of another size than `image_size` are resized
-  (bilinear), uint8 unless `normalize`. `num_steps` None: endless.
-  """
+  """A tf.data.Dataset of `episodes.sample_episodes` batches of B = `num_episodes`, element i
+  for step first_step + i (`num_steps` None: endless); images resized (bilinear) to
+  `image_size`, uint8 unless `normalize`."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   check_spec(spec, index)

@@ -119,11 +119,8 @@ class EpisodicMethod(Method):
 
 def embed_query_draws(method, thetas, query_images: jax.Array, pairs: continual.TaskPairs,
                       vectorize: bool) -> jax.Array:
-  """Embeds every query draw of every task with every theta_t, t >= tau: [P, R, K*Q, D].
-
-  Each draw of Q(tau) [R, T, K*Q, H, W, C] is a BatchNorm batch of its own;
-  `vectorize` vmaps over pairs and draws, else loops (faster on CPU).
-  """
+  """Every query draw [R, T, K*Q, H, W, C] of every tau embedded with every theta_t, t >= tau:
+  [P, R, K*Q, D], each draw a BatchNorm batch; `vectorize` vmaps, else loops (CPU)."""
   embed_draw = lambda images: continual.embed_queries(
       method.cnn, thetas, images, pairs, remat=False, vectorize=vectorize)
   embeddings = jax.lax.map(embed_draw, query_images,

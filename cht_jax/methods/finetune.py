@@ -40,10 +40,8 @@ def init_theta(cnn: cnn_lib.CNN, key: jax.Array, image_shape: tuple[int, int, in
 
 
 def sample_batch(key: jax.Array, class_images: jax.Array, batch_size: int, rotate: bool):
-  """B random (class, image) pairs of uint8 `class_images` [C, M, H, W, D], with
-  replacement, each rotated by a random multiple of 90 degrees if `rotate`:
-  (images float32 [B, H, W, D] scaled x/128 - 1, labels int32 [B] in 0..C-1).
-  """
+  """B random (class, image) pairs of uint8 `class_images` [C, M, H, W, D], with replacement,
+  rotated by random multiples of 90 degrees if `rotate`: (normalised images, labels int32 [B])."""
   num_classes, num_images = class_images.shape[:2]
   class_key, image_key, rotate_key = jax.random.split(key, 3)
   labels = jax.random.randint(class_key, (batch_size,), 0, num_classes)

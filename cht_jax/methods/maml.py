@@ -75,12 +75,9 @@ def multi_step_weights(step: int, num_steps: int, anneal_steps: int) -> np.ndarr
 def episode_loss(cnn: cnn_lib.CNN, params: dict, episode: dict, ways: int, num_steps: int,
                  step_weights: jax.Array | None = None, first_order: bool = False,
                  learn_inner_lr: bool = True):
-  """The meta-loss of one episode and its metrics.
-
-  `step_weights`: [k] multi-step loss weights, or None for the final step only.
-  loss = sum_t sum_{tau<=t} sum_j w_j CE(Q(tau); theta_t^{(j)}); metric 'accuracy'
-  is class-incremental at the final inner step, 'final_accuracy' theta_{T-1}'s.
-  """
+  """(loss, metrics) of one episode: sum_t sum_{tau<=t} sum_j w_j CE(Q(tau); theta_t^{(j)}),
+  `step_weights` w [k] (None: the final step only); 'accuracy' is class-incremental at the
+  final inner step, 'final_accuracy' theta_{T-1}'s."""
   num_tasks = episode['support_images'].shape[0]
   pairs = continual.TaskPairs.lower_triangle(num_tasks)
   keep = step_weights is not None

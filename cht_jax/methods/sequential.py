@@ -53,11 +53,8 @@ def support_loss(cnn: cnn_lib.CNN, theta: Theta, images: jax.Array, labels: jax.
 
 def sgd_steps(loss_fn: Callable[[Theta], jax.Array], theta: Theta, learning_rates,
               num_steps: int, first_order: bool = False):
-  """`num_steps` steps of theta <- theta - lr_j * grad loss_fn(theta), as a scan.
-
-  `learning_rates`: a scalar, or theta's structure with leaves [num_steps] (LSLR).
-  Returns (the last theta, every step's theta with leaves [num_steps, ...]).
-  """
+  """`num_steps` steps of theta <- theta - lr_j * grad loss_fn(theta) as a scan, `learning_rates`
+  a scalar or theta's structure with leaves [num_steps] (LSLR): (last theta, every step's)."""
   if jax.tree.structure(learning_rates) != jax.tree.structure(theta):  # One rate for all.
     learning_rates = jax.tree.map(
         lambda leaf: jnp.full((num_steps,), learning_rates, leaf.dtype), theta)
@@ -74,12 +71,9 @@ def sgd_steps(loss_fn: Callable[[Theta], jax.Array], theta: Theta, learning_rate
 
 def run_sequence(update: UpdateFn, theta: Theta, state: Any, support_images: jax.Array,
                  support_labels: jax.Array):
-  """theta_t = update(theta_{t-1}, S(t)) for t = 0..T-1, one `lax.scan`.
-
-  `state` is the rule's carry besides theta (EWC's Fishers and anchors; () for
-  fine-tuning); support_images [T, S, H, W, C], support_labels [T, S] in 0..K-1.
-  Returns every task's `output` stacked on a leading T axis.
-  """
+  """theta_t = update(theta_{t-1}, S(t)) for t = 0..T-1 in one `lax.scan`, `state` the rule's
+  carry besides theta (EWC's Fishers and anchors; () for fine-tuning), support_images
+  [T, S, H, W, C], support_labels [T, S]: every task's `output`, stacked on a leading T axis."""
   def step(carry, task):
     theta, state = carry
     images, labels, t = task
@@ -105,16 +99,9 @@ def pair_accuracies(logits: jax.Array, labels: jax.Array, t, tau, ways: int):
 def episode_accuracies(cnn: cnn_lib.CNN, thetas: Theta, query_images: jax.Array,
                        query_labels: jax.Array, ways: int, pairs: continual.TaskPairs,
                        vectorize: bool = False):
-  """Scores every theta_t on every query draw of every task tau <= t.
-
-  Args:
-    thetas: leaves [T, ...] from `run_sequence`.
-    query_images: [R, T, K*Q, H, W, C] (each draw a BatchNorm batch); query_labels: [T, K*Q].
-    vectorize: vmap over pairs and draws (accelerators) instead of looping (CPU).
-
-  Returns:
-    (task_incremental [P], class_incremental [P]): mean over the R draws.
-  """
+  """(task_incremental [P], class_incremental [P]) of every theta_t (leaves [T, ...]) on every
+  task tau <= t, means over the R draws of query_images [R, T, K*Q, H, W, C] (each draw a
+  BatchNorm batch), query_labels [T, K*Q]; `vectorize` vmaps pairs and draws, else loops."""
   def one_pair(pair):
     t, tau = pair
     theta = jax.tree.map(lambda leaf: leaf[t], thetas)

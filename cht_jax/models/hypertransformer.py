@@ -161,18 +161,10 @@ class HyperTransformer(nn.Module):
   def __call__(self, support_images: jax.Array, support_labels: jax.Array,
                theta_prev: Theta, with_support_embeddings: bool = False,
                unlabeled_images: jax.Array | None = None):
-    """Generates theta_t from S(t) and theta_{t-1}.
-
-    Args:
-      support_images: [S, H, W, C] float32; support_labels: [S] int32 in 0..K-1.
-      theta_prev: theta_{t-1}, the CNN's params pytree (zeros for t = 0).
-      with_support_embeddings: also return the labelled support images'
-        embeddings under theta_t, [S, cnn_embedding_dim].
-      unlabeled_images: [U, H, W, C] float32, or None (or U = 0) for none.
-
-    Returns:
-      theta_t, or (theta_t, embeddings) with `with_support_embeddings`.
-    """
+    """theta_t from S(t): `support_images` [S, H, W, C] float32, `support_labels` [S] int32
+    in 0..K-1, `unlabeled_images` [U, H, W, C] (None or U = 0: none), and theta_{t-1} (zeros
+    for t = 0). With `with_support_embeddings`, (theta_t, the labelled support images'
+    embeddings under theta_t [S, cnn_embedding_dim])."""
     if unlabeled_images is not None and not unlabeled_images.shape[0]:
       unlabeled_images = None
     unlabeled_labels = None

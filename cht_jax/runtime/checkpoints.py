@@ -43,10 +43,8 @@ def quiet_orbax_logs(verbose: bool = False) -> None:
 
 
 def manager(workdir: str, config, remove_partial: bool = False) -> ocp.CheckpointManager:
-  """The Orbax manager of `<workdir>/checkpoints` (keeps `train.keep_checkpoints`).
-
-  `remove_partial` deletes incomplete saves' temporary folders: only for the workdir's
-  trainer, as another process would delete a live run's save in progress."""
+  """The Orbax manager of `<workdir>/checkpoints` (keeps `train.keep_checkpoints`);
+  `remove_partial` (the trainer only: it would delete a live run's save) drops partial saves."""
   return ocp.CheckpointManager(
       os.path.join(os.path.abspath(workdir), 'checkpoints'),
       item_handlers=ocp.StandardCheckpointHandler(),
@@ -143,11 +141,8 @@ def check_fits(manager, step: int, abstract, config) -> None:
 
 def restore_or_init(manager: ocp.CheckpointManager, state: Any,
                     config: ml_collections.ConfigDict | None = None) -> Any:
-  """The latest complete checkpoint of the workdir if any, else `state` unchanged.
-
-  Raises CheckpointError, deleting nothing, if it cannot be read or does not fit `state`
-  (naming the config fields that changed when `config` is given).
-  """
+  """The latest complete checkpoint of the workdir if any, else `state`. Raises CheckpointError,
+  deleting nothing, if it cannot be read or does not fit (naming changed `config` fields)."""
   step = manager.latest_step()
   if step is None:
     return state
@@ -209,13 +204,9 @@ def _replicated(metadata) -> Any:
 
 
 def restore_params(workdir: str, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
-  """(params, step) of a training checkpoint of `workdir` (`step` None: the latest).
-
-  Only the parameters must fit `abstract_params` (ShapeDtypeStructs): the optimiser state
-  is dropped, so a different optimiser still restores. The arrays come back replicated
-  over this job's devices. Raises CheckpointError where there is no checkpoint (at
-  `step`) or the parameters do not fit (naming the arrays).
-  """
+  """(params, step) of a training checkpoint of `workdir` (`step` None: the latest), replicated
+  over this job's devices. Only the parameters must fit `abstract_params`: the optimiser state
+  is dropped. Raises CheckpointError where there is none, or the parameters do not fit."""
   train_first = ('Pass the --workdir of a trained model, or train one first (python -m '
                  f'cht_jax.main --config=... --workdir={workdir}).')
   if not os.path.isdir(os.path.join(workdir, 'checkpoints')):

@@ -70,13 +70,10 @@ def data_mesh(batch_size: int | None = None) -> jax.sharding.Mesh:
 
 
 def batch_grads(loss_fn, params, episodes, mesh: jax.sharding.Mesh, vectorize: bool):
-  """Mean gradient and metrics of `loss_fn(params, episode) -> (loss, metrics)` over a batch.
-
-  The batch [B, ...] is split over `mesh`'s 'data' axis by `shard_map` (a sharded vmap
-  would gather it onto every device around custom calls, `model.conv_impl='fused_cpu'`).
-  A device vmaps its episodes when `vectorize`, else loops over them (`lax.scan`: on CPU
-  one episode at a time stays in cache, docs/performance.md).
-  """
+  """Mean gradient and metrics of `loss_fn(params, episode) -> (loss, metrics)` over a batch
+  [B, ...] split over `mesh` by `shard_map` (a sharded vmap would gather it around the
+  'fused_cpu' custom calls). A device vmaps its episodes when `vectorize`, else scans them
+  (on CPU one episode at a time stays in cache, docs/performance.md)."""
   def device_grads(params, row):
     size = jax.tree.leaves(row)[0].shape[0]
     if vectorize:
@@ -107,13 +104,10 @@ def initialize_distributed(coordinator_address: str | None, num_processes: int |
                            process_id: int | None, heartbeat_timeout_seconds: int,
                            coordinator_timeout_seconds: int,
                            stop: Callable[[Exception], None]) -> None:
-  """`jax.distributed.initialize`, then a watch on the other processes.
-
-  `stop(error)`, called from a thread (the main one may be waiting in XLA), must end the
-  process: with a CoordinatorError if this one has not joined in time, with a
-  LostProcessError once another is silent for `heartbeat_timeout_seconds` or the
-  coordinator is gone.
-  """
+  """`jax.distributed.initialize`, then a watch on the other processes. `stop(error)`, called
+  from a thread (the main one may wait in XLA), must end the process: a CoordinatorError if
+  this one has not joined in time, a LostProcessError once another is silent for
+  `heartbeat_timeout_seconds` or the coordinator is gone."""
   # Recoverable: a lost process is reported to the others instead of aborting them in C++.
   jax.config.update('jax_enable_recoverability', True)
   address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')

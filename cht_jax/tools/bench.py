@@ -57,11 +57,8 @@ flags.mark_flag_as_required('config')
 
 
 def _time(fn, min_seconds: float, blocking: bool = False) -> float:
-  """Seconds per call of `fn` (already compiled), over at least `min_seconds`.
-
-  Calls go back to back as in training (asynchronous dispatch overlaps them), the
-  fastest of three rounds counting; with `blocking` each call waits, the mean counting.
-  """
+  """Seconds per call of compiled `fn` over at least `min_seconds`: back to back as in training,
+  the fastest of three rounds; with `blocking`, the mean of calls that each wait."""
   if blocking:
     return float(np.mean(_latencies([fn], min_seconds)[0]))
   start = time.perf_counter()
@@ -110,11 +107,8 @@ def _peak_memory_bytes() -> int:
 
 
 def episode_flops(config, ht, params, episode) -> float:
-  """XLA-counted FLOPs of one episode's loss and gradient.
-
-  On the vmapped, unrolled form (cost analysis counts a loop body once), without
-  rematerialisation: the step's own work, whatever the timed step recomputes.
-  """
+  """XLA-counted FLOPs of one episode's loss and gradient, vmapped and unrolled (cost analysis
+  counts a loop body once), without remat: the step's own work, whatever it recomputes."""
   loss = lambda p: continual.episode_loss(ht, p, episode, config.loss, remat=False,
                                           vectorize=True, unroll=True)[0]
   compiled = jax.jit(jax.grad(loss)).lower(params).compile()
@@ -125,11 +119,8 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
                  matmul_rate: float, flops_cache: dict | None = None, extras: bool = True,
                  profile_steps: int = 0, trace_dir: str | None = None,
                  count_flops: bool = True) -> dict:
-  """Times one (T, episodes per step) setting.
-
-  `flops_cache`: T -> FLOPs of one episode, filled on first use. Without `extras` only
-  the training step is timed; `profile_steps` steps are traced into row['profile'].
-  """
+  """Times one (T, episodes per step) setting; `flops_cache`: T -> an episode's FLOPs, filled
+  on first use; without `extras` the step only; `profile_steps` traced into row['profile']."""
   config = config.copy_and_resolve_references()
   config.train.episodes_per_step = batch_size
   method = methods.build(config)
@@ -191,13 +182,9 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
 
 
 def generation_latency(config, class_images, min_seconds: float) -> dict[str, float]:
-  """Seconds to generate theta_t for one new task from its support set and theta_{t-1}.
-
-  Times `api.compile_generator` (`api.learn_task`'s, parameters as constants) against
-  the same function with the parameters as arguments (as in training). Returns the
-  former's median, mean, p90, number of calls and median of the fastest of three
-  consecutive rounds (as `_time`), and the latter's median.
-  """
+  """Seconds to generate theta_t for one new task: `api.compile_generator`'s (parameters as
+  constants) median, mean, p90, calls and fastest-round median, and the median with the
+  parameters as arguments (as in training)."""
   ht = models.build_hypertransformer(config)
   spec = datasets.episode_spec(config)
   episode = episodes_lib.sample_episode(jax.random.key(0), class_images, spec, rotate=False)
