@@ -1,24 +1,14 @@
 """Training of every method: one jit-compiled step over a sharded batch, and the loop.
 
-The method (`methods.build`) gives the step its gradient: CHT-family methods
-sample episodes on device inside the step (from the split's images kept in
-device memory, or take a host pipeline's batch), the baselines a batch of
-images or MAML++ episodes. The batch is sharded over a 1-D `Mesh` of devices
-('data' axis); parameters and optimiser state (optim.py) are replicated.
-
-Reliability (docs/reliability.md):
-* The data of step s depend only on (config.seed, s), so a run resumed from
-  the checkpoint of step s repeats, bit for bit, what an uninterrupted run
-  does after step s.
-* Checkpoints are written whole or not at all (runtime/checkpoints.py). SIGTERM
-  (runtime/preemption.py) saves a checkpoint of the current step before the process
-  exits with status 143.
-* A step whose loss, gradient or generated weights are not finite changes
-  nothing but the step count; `train.on_divergence` says whether the run stops,
-  and `train.loss_spike_factor` rolls back a finite collapse (runtime/divergence.py).
-* The config is checked before anything is read or compiled, the workdir before
-  any download, a checkpoint against the config before it is restored; each
-  failure is one of `USER_ERRORS`, naming what is wrong and what to do.
+The method (`methods.build`) gives the step its gradient from episodes sampled on device
+(or a host pipeline's batch) or, for the baselines, a batch of images or MAML++ episodes.
+The batch is sharded over a 1-D `Mesh` ('data' axis); parameters and optimiser state
+(optim.py) are replicated. Reliability (docs/reliability.md): the data of step s depend only
+on (config.seed, s), so a resumed run repeats an uninterrupted one bit for bit; checkpoints
+are whole or absent (runtime/checkpoints.py); SIGTERM checkpoints the current step
+(runtime/preemption.py); a non-finite step changes nothing but the step count
+(`train.on_divergence`; `train.loss_spike_factor` rolls back a finite collapse:
+runtime/divergence.py); every user mistake is one of `USER_ERRORS`, naming what to do.
 """
 
 import time
@@ -66,18 +56,9 @@ def method_schedule(method: methods.Method) -> optax.Schedule:
   return method.learning_rate(optim) or optim_lib.learning_rate_schedule(optim)
 
 
-def method_optimizer(method: methods.Method) -> optax.GradientTransformation:
-  """The optimiser of `config.optim` on the method's schedule."""
-  return optim_lib.make_optimizer(method.config.optim, method_schedule(method))
-
-
 def make_init(method: methods.Method, optimizer, mesh):
-  """jit(key) -> the initial TrainState, replicated over `mesh`.
-
-  Replicated as the train step returns its state: a state of another sharding
-  type (say, an eager init's) would compile the step a second time at its
-  second call.
-  """
+  """jit(key) -> the initial TrainState, replicated over `mesh` as the step returns it (a
+  state of another sharding would compile the step a second time)."""
   def init(key):
     params = method.init(key)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
@@ -145,10 +126,8 @@ def batch_loss(method, params, episodes, loss, remat):
 
 
 def validation_tasks(config: ml_collections.ConfigDict, num_classes: int) -> int:
-  """Tasks per validation episode: T, or as many disjoint tasks as the classes allow.
-
-  Omniglot's validation split has 50 classes: two disjoint 20-way tasks.
-  """
+  """Tasks per validation episode: T, or as many disjoint tasks as the classes allow
+  (Omniglot's 50 validation classes: two disjoint 20-way tasks)."""
   ep = config.episode
   if ep.task_classes != 'disjoint':
     return ep.num_tasks
@@ -157,12 +136,8 @@ def validation_tasks(config: ml_collections.ConfigDict, num_classes: int) -> int
 
 def make_eval_step(method: methods.Method, num_episodes: int, num_tasks: int | None = None,
                    domain_sizes=()):
-  """Returns jit(evaluate)(params, class_images, key) -> the loss metrics of
-  `num_episodes` episodes, without augmentation (methods with an episode loss).
-
-  `num_tasks` overrides the config's T (validation has too few classes for
-  more than two disjoint 20-way tasks).
-  """
+  """jit(evaluate)(params, class_images, key) -> the loss metrics of `num_episodes`
+  episodes without augmentation, of `num_tasks` (None: the config's T) tasks."""
   spec = datasets.episode_spec(method.config, domain_sizes)
   if num_tasks is not None:
     spec = spec._replace(num_tasks=num_tasks)
@@ -176,12 +151,9 @@ def make_eval_step(method: methods.Method, num_episodes: int, num_tasks: int | N
 
 
 def make_validation(method: methods.Method, class_images, domain_sizes=()):
-  """validate(params, key) -> metrics of the validation classes, logged by the loop.
-
-  `method.validation` 'loss': the loss metrics of train.eval_episodes
-  episodes; 'protocol' (methods without an episode loss): the evaluation
-  protocol on as many episodes, one query draw, the accuracies of theta_{T-1}.
-  """
+  """validate(params, key) -> metrics of the validation classes: by `method.validation`, the
+  loss metrics of train.eval_episodes episodes ('loss'), or ('protocol') the evaluation
+  protocol on as many episodes, one query draw, the accuracies of theta_{T-1}."""
   config = method.config
   num_tasks = validation_tasks(config, len(class_images))
   if method.validation == 'loss':
@@ -206,20 +178,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        dataset: dict[str, np.ndarray] | None = None) -> dict[str, float]:
   """Trains `config.method`, checkpointing into `workdir` and resuming from it.
 
-  Args:
-    config: the experiment config.
-    workdir: checkpoints, metrics.jsonl, TensorBoard events, config.json.
-    dataset: split name -> uint8 [C, M, H, W, D] class images; None to load
-      the config's dataset (`datasets.load_dataset`).
-
-  Returns:
-    The last logged training metrics, and 'validation/...' of the last
-    validation if there was one.
-
-  Raises:
-    One of `USER_ERRORS` (bad config, data, workdir or checkpoint; divergence),
-    or preemption.Preempted after SIGTERM or SIGINT, once the current step is
-    checkpointed.
+  `dataset`: split name -> uint8 [C, M, H, W, D] class images (None: loaded). Returns the last
+  logged training metrics (and 'validation/...' of the last validation). Raises one of
+  `USER_ERRORS`, or preemption.Preempted after SIGTERM or SIGINT once the step is saved.
   """
   config_validation.validate(config)
   created = workdir_lib.new_folders(workdir)
@@ -235,7 +196,7 @@ def _train(config, workdir, dataset) -> dict[str, float]:
   """`train_and_evaluate` once the workdir is this run's."""
   evaluate.warn_if_evaluation_cannot_run(config)
   method = methods.build(config, None if dataset is None else len(dataset['train']))
-  optimizer = method_optimizer(method)
+  optimizer = optim_lib.make_optimizer(method.config.optim, method_schedule(method))
   mesh = devices.data_mesh(method.batch_size)
   init_key, train_key, eval_key = jax.random.split(jax.random.key(config.seed), 3)
   init = make_init(method, optimizer, mesh)  # Traced once, for its shapes and to run.
