@@ -68,13 +68,15 @@ def make_init(method: methods.Method, optimizer, mesh):
 
 def make_train_step(method: methods.Method, optimizer, mesh, variant=(), domain_sizes=(),
                     host=False):
-  """Returns jit(step)(state, data, key, inputs=(), learning_rate_scale=1.0)
+  """Returns jit(step)(state, data, key, inputs=(), learning_rate_scale=None)
   -> (state, metrics).
 
   `data` is the training split's class images, or with `host` a host
   pipeline's episode batch (`datasets.host_batches`); `variant` and `inputs`
-  come from `method.step_variant(step)`; `learning_rate_scale` multiplies the
-  schedule's rate (below 1 after a loss-spike rollback).
+  come from `method.step_variant(step)`; `learning_rate_scale`, a traced scalar,
+  multiplies the schedule's rate (below 1 after a loss-spike rollback). None runs the
+  unscaled program: a multiply by a traced 1.0 would change how XLA fuses (and rounds)
+  the update.
 
   A step where one of `divergence.WATCHED` (the loss, the norms of the
   gradient, of the generated weights and of the update) is not finite
@@ -83,12 +85,12 @@ def make_train_step(method: methods.Method, optimizer, mesh, variant=(), domain_
   """
   schedule = method_schedule(method)
 
-  def train_step(state: TrainState, data, key, inputs=(), learning_rate_scale=1.0):
+  def train_step(state: TrainState, data, key, inputs=(), learning_rate_scale=None):
     grads, metrics = method.grads(state.params, data, key, mesh=mesh, variant=variant,
                                   inputs=inputs, domain_sizes=domain_sizes, host=host)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     learning_rate = schedule(state.step)
-    if learning_rate_scale != 1.0:  # Static: at 1 the program is exactly the unscaled one.
+    if learning_rate_scale is not None:  # None (scale 1): exactly the unscaled program.
       # Every optimiser here ends by multiplying its update by the learning rate, so
       # scaling the update scales the learning rate (and AdamW's decay with it).
       updates = jax.tree.map(lambda u: u * learning_rate_scale, updates)
@@ -104,9 +106,7 @@ def make_train_step(method: methods.Method, optimizer, mesh, variant=(), domain_
     return TrainState(step=state.step + 1, params=keep(params, state.params),
                       opt_state=keep(opt_state, state.opt_state)), metrics
 
-  # The scale is static: a multiply by a traced 1.0 changes how XLA fuses (and rounds)
-  # the update; each new scale (one per rollback) compiles the step once more.
-  return jax.jit(train_step, donate_argnums=0, static_argnames='learning_rate_scale')
+  return jax.jit(train_step, donate_argnums=0)
 
 
 def _global_norm(tree) -> jax.Array:
@@ -261,9 +261,9 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
       train_steps[variant] = make_train_step(method, optimizer, mesh, variant,
                                              domain_sizes.get('train', ()), host)
     # The data of step s depend only on (seed, s): a resumed run sees the same.
+    scale = rollbacks.learning_rate_scale
     state, metrics = train_steps[variant](state, train_data, jax.random.fold_in(train_key, step),
-                                          inputs,
-                                          learning_rate_scale=rollbacks.learning_rate_scale)
+                                          inputs, None if scale == 1.0 else jnp.float32(scale))
     pending.append((step, metrics))
     last = step == num_steps
     stop = signals.stop_at(step)  # Read once: the signal may arrive at any moment.
