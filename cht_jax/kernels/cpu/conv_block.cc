@@ -444,39 +444,24 @@ ffi::Error NormBackwardImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kerne
 
 }  // namespace
 
+// The operands in the order of the Impl functions' parameters above.
+using F32 = ffi::Buffer<ffi::F32>;
+using S8 = ffi::Buffer<ffi::S8>;
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockNormForward, NormForwardImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
                                   .Attr<float>("epsilon")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<F32>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockNormTrainForward, NormTrainForwardImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
                                   .Attr<float>("epsilon")
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<F32>().Ret<F32>().Ret<S8>().Ret<F32>().Ret<F32>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ChtConvBlockNormBackward, NormBackwardImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<F32>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Arg<S8>().Arg<F32>().Arg<F32>().Arg<F32>()
+                                  .Ret<F32>().Ret<F32>().Ret<F32>().Ret<F32>());
