@@ -12,12 +12,9 @@ SCHEDULES = ('exponential', 'cosine')
 
 
 def learning_rate_schedule(optim: ml_collections.ConfigDict) -> optax.Schedule:
-  """`optim.schedule` after `optim.warmup_steps` of linear warmup from 0.
-
-  'exponential' (the paper's): lr * decay_rate ** (step / decay_steps), not staircase, as
-    the original HT's `tf.train.exponential_decay` (hypertransformer/tf/train.py).
-  'cosine': lr, cosine-annealed to lr * end_fraction over decay_steps steps.
-  """
+  """`optim.schedule` after `optim.warmup_steps` of linear warmup from 0: 'exponential' (the
+  paper's) lr * decay_rate ** (step / decay_steps), not staircase, as the original HT's
+  `tf.train.exponential_decay` (hypertransformer/tf/train.py); 'cosine' to lr * end_fraction."""
   if optim.schedule == 'exponential':
     decay = optax.exponential_decay(
         optim.learning_rate, transition_steps=optim.decay_steps,

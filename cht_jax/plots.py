@@ -189,12 +189,9 @@ def procrustes_align(points: np.ndarray, anchors: np.ndarray, targets: np.ndarra
 def plot_embeddings(prototypes: np.ndarray, query_embeddings: np.ndarray,
                     query_labels: np.ndarray, output: str, trained_tasks: int | None = None,
                     projector: str = 'umap', seed: int = 0) -> str:
-  """The appendix figure: prototypes [T, K, D] and queries under each theta_t, in 2-D.
-
-  Panel t projects ('umap' or 'pca') the frozen prototypes of tasks 0..t and `query_embeddings`
-  [P, Q, D] of the pairs (t, tau <= t) (t-major; labels [T, Q]), aligned by Procrustes to panel
-  t-1 on their shared prototypes. Dashed lines join each query to its class's prototype.
-  """
+  """The appendix figure: panel t projects ('umap' or 'pca') the frozen prototypes [T, K, D] of
+  tasks 0..t and `query_embeddings` [P, Q, D] of the pairs (t, tau <= t) (t-major; labels
+  [T, Q]), aligned by Procrustes to panel t-1; dashed lines join queries to prototypes."""
   num_tasks, num_ways, _ = prototypes.shape
   t_of_pair, tau_of_pair = np.tril_indices(num_tasks)
   fig = figure_lib.Figure(figsize=(3.2 * num_tasks, 3.6))

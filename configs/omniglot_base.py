@@ -143,11 +143,8 @@ def paper_learning_rate(num_tasks: int) -> float:
 
 
 def parse_arguments(arg: str | None, names: tuple[str, ...], defaults: tuple = ()):
-  """'16,5,tiny' -> (16, 5, 'tiny') for names ('channels', 'num_tasks'); variant last.
-
-  `arg` follows the colon of `--config=configs/FILE.py:ARG`; missing integers
-  come from `defaults`.
-  """
+  """'16,5,tiny' -> (16, 5, 'tiny') for names ('channels', 'num_tasks'): `arg` follows the colon
+  of `--config=configs/FILE.py:ARG`, variant last; missing integers come from `defaults`."""
   parts = [p.strip() for p in (arg or '').split(',') if p.strip()]
   variant = parts.pop() if parts and not parts[-1].lstrip('-').isdigit() else ''
   variants.check(variant, VARIANTS)

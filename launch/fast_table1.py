@@ -10,12 +10,10 @@ r"""Trains a ':fast' config, evaluates it with the full protocol, and gathers th
       --config.optim.learning_rate=0.0028 --config.train.num_steps=6000
   # Its 16-channel version (the paper's appendix width): docs/recipe.md, Commands.
 
-Everything after `--` goes to `python -m cht_jax.main` for training and evaluation.
-Training resumes from the workdir's latest checkpoint; `--train_seconds` stops it with
-SIGTERM (checkpointed) and the evaluation scores that checkpoint. Writes in `--workdir`
-(reports.write_fast_table1): results.json (the Table 1 row with 95% CIs, device, JAX,
-commit, command, wall clocks), results.md, curve.png (validation accuracy against
-episodes and wall clock); and eval/... (reports.write_results).
+Everything after `--` goes to `python -m cht_jax.main` for training (resumed from the
+workdir; `--train_seconds` stops it with SIGTERM, checkpointed) and evaluation. Writes in
+`--workdir` (reports.write_fast_table1) results.json (the Table 1 row with 95% CIs, device,
+JAX, commit, command, wall clocks), results.md, curve.png, and eval/... (reports.write_results).
 """
 
 import argparse

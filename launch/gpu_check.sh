@@ -9,12 +9,10 @@
 #   ... bash launch/gpu_check.sh 330            # the speed part alone
 # CHT_COMMIT=<commit> names the commit in results.json where the tree has no git history.
 #
-# 1. Speed: the T=5 step at 64 and 256 episodes per step without remat, float32 against
-#    bfloat16 convolutions, profiled (cht_jax/tools/profiling.py); T=1.
-# 2. Recipe: configs/omniglot_t5.py:fast for the rest of the budget, then the full
-#    evaluation (launch/fast_table1.py). 3. diagnostics/task_specificity.py.
-# Needs the pure-Python dependencies (or their wheels in .whl/) and an Omniglot cache
-# (<DATA_DIR>/cht_jax_cache/omniglot_ht_2022_28.npz); no TensorFlow. At most 8 files in $OUT.
+# 1. Speed: the T=5 step (64, 256 episodes; float32, bfloat16; profiled) and T=1. 2. Recipe:
+# omniglot_t5.py:fast for the rest of the budget, then launch/fast_table1.py's evaluation.
+# 3. diagnostics/task_specificity.py. Needs the pure-Python dependencies (or their wheels in
+# .whl/) and <DATA_DIR>/cht_jax_cache/omniglot_ht_2022_28.npz; no TensorFlow. 8 files in $OUT.
 set -u
 TOTAL=${1:-560}
 OUT=${OUT:-gpu_check_out}

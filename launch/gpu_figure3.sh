@@ -12,10 +12,8 @@
 #   RUNS="t1 t2" CONFIG_VARIANT=tiny STEPS=20 EVAL_EPISODES=8 OUT=/tmp/fig3 \
 #       bash launch/gpu_figure3.sh 400                      # a dry run on a CPU
 #
-# STEPS=2200 for every run: the T=5 `:fast` curve flattens well before (docs/results.md
-# section 9). Runs are stopped (checkpointed) before the evaluation's share of the time.
-# Needs what launch/gpu_check.sh needs. Writes to $OUT: log.txt, figure3.png, table.md and
-# results.tar.gz (each run's results.json / .md, curve, metrics and evaluation files).
+# STEPS=2200: the T=5 `:fast` curve flattens well before (docs/results.md section 9). Needs
+# what launch/gpu_check.sh needs. Writes log.txt, figure3.png, table.md, results.tar.gz.
 set -u
 TOTAL=${1:-585}
 OUT=${OUT:-gpu_figure3_out}

@@ -4,13 +4,11 @@ r"""Runs `python -m cht_jax.main` as N processes of one JAX job on this machine.
       --config=configs/omniglot_t2.py:tiny --config.train.episodes_per_step=2 \
       --workdir=/tmp/two_processes
 
-The same command in every process, as a cluster starts them (cf. launch/slurm.sbatch):
---distributed, a coordinator on 127.0.0.1 at a free port, --num_processes=N and each its
-own --process_id; CPU collectives over Gloo. Each process gets --devices_per_process CPU
-devices (default: the cores split evenly); train.episodes_per_step must be a multiple of
-their total. SIGTERM and SIGINT are forwarded; the first process to fail stops the others
-(after --grace_seconds), and its exit status is this launcher's, as a shell gives it
-(128 + N when killed by signal N).
+The same command in every process, as a cluster starts them (cf. launch/slurm.sbatch), with
+--distributed, a coordinator on 127.0.0.1 and each its --process_id; Gloo CPU collectives,
+--devices_per_process CPU devices each (default: the cores split evenly). SIGTERM and SIGINT
+are forwarded; the first process to fail stops the others (after --grace_seconds), and its
+exit status (128 + N when killed by signal N) is this launcher's.
 """
 
 import argparse

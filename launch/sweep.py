@@ -1,25 +1,16 @@
 r"""Runs a sweep of experiments (train, then evaluate), and collects their results into one table.
 
-  # Every baseline against CHT at T=2, locally one after the other, CPU-sized:
   python launch/sweep.py --sweep=baselines --num_tasks=2 --variant=smoke --root=workdirs/baselines \
       --override=--config.data.manual_dir=../shared/data/omniglot --eval_flag=--eval_episodes=64
-
-  # The same on a SLURM cluster: writes <root>/submit.sh (one training job per run, its
-  # evaluation queued after it with --dependency=afterok) and, with --submit, runs it:
   python launch/sweep.py --sweep=omniglot_channels --launcher=slurm --root=/shared/sweeps/channels
+  python launch/sweep.py --sweep=omniglot_tasks --launcher=print   # or --collect_only
 
-  # Only print the commands; or only collect what the runs under --root have written:
-  python launch/sweep.py --sweep=omniglot_tasks --launcher=print
-  python launch/sweep.py --sweep=omniglot_tasks --collect_only --root=workdirs/tasks
-
-Sweeps: `_sweeps` (merged_ht: the paper's Figure 4 stars; minibatch, tiered_minibatch:
-section 5.1's five arms). `--only=a,b` keeps some runs. Each run is `python -m
-cht_jax.main --config=FILE:ARGS[,variant] --workdir=<root>/<run> [--override ...]`, then
-with `--mode=eval [--eval_flag ...]`; a workdir with checkpoints resumes.
-
-`reports.write_sweep` collects each run's latest `<workdir>/eval/<split>_T<T>_step<step>.json`
-into `<root>/sweep_<name>.{md,csv,json}` (a Table 1 row per run) and a figure per dataset,
-`<root>/sweep_<name>_<dataset>.png` (`cht_jax.plots`).
+Sweeps: `_sweeps` (merged_ht: the paper's Figure 4 stars; minibatch, tiered_minibatch: section
+5.1's five arms); docs/baselines.md. Each run is `python -m cht_jax.main --config=FILE:ARGS
+[,variant] --workdir=<root>/<run> [--override ...]`, then `--mode=eval [--eval_flag ...]`,
+locally, or with --launcher=slurm as <root>/submit_<sweep>.sh (evaluations queued afterok;
+--submit runs it). `reports.write_sweep` collects each run's latest evaluation into
+`<root>/sweep_<name>.{md,csv,json}` and a figure per dataset.
 """
 
 import argparse

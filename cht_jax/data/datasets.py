@@ -1,14 +1,8 @@
 """The config's dataset: its loader, image shape, augmentation and pipeline.
 
-config.data.dataset:
-* 'omniglot': 1 channel, all splits in memory.
-* 'tiered_imagenet': 3 channels; with data.pipeline='host' the training split
-  is read by the host pipeline (`pipeline.py`), and the first
-  `data.images_per_class` images of each other class kept in memory.
-* 'multidomain': 3 channels, all splits in memory, plus 'domain_sizes'.
-
-data.pipeline: 'device' samples episodes in the jitted step from class images
-in device memory; 'host' from a tf.data pipeline over the data on disk.
+'omniglot' (1 channel) and 'multidomain' (3, plus 'domain_sizes') keep every split in memory;
+'tiered_imagenet' (3) too with data.pipeline='device' (the jitted step samples the episodes),
+with 'host' its training split is read by a tf.data pipeline from disk (`pipeline.py`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """A host input pipeline of episode batches for datasets too large for memory.
 
-Unlike the on-device sampler (`episodes.py`), the images stay encoded on disk
-in a random-access source (TFDS's ArrayRecord data source). `episode_indices`
-draws step s's records with NumPy from `default_rng([seed, s, process])` (so a
-resumed run sees the same data), by the device sampler's rules, not its random
-numbers; tf.data then fetches, decodes and assembles them in a deterministic
-order. `episode_batches` yields `episodes.sample_episodes`'s dict as NumPy, or
-with uint8 images (`normalize=False`: a 4x smaller host-to-device copy) that
-`device_episodes` normalizes on device.
+The images stay encoded on disk (TFDS's ArrayRecord data source). `episode_indices` draws
+step s's records with NumPy from `default_rng([seed, s, process])` (a resumed run sees the same
+data) by the device sampler's rules, not its random numbers; tf.data fetches, decodes and
+assembles them in a deterministic order. `episode_batches` yields `episodes.sample_episodes`'s
+dict, with uint8 images (4x smaller copies) that `device_episodes` normalizes on device.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """tieredImageNet as a TFDS dataset built from the user's own download.
 
-tieredImageNet (Ren et al., ICLR 2018): 351 training, 97 validation and 160
-test ImageNet classes, 84x84 RGB. ImageNet's licence forbids re-hosting, so
-the builder here (`tiered_imagenet_cht`, unregistered) prepares it from a
-manual folder in either of two layouts:
-
-(a) the pickled release of Ren et al.: `{train,val,test}_images_png.pkl`, a
-    list of PNG images (bytes or uint8 arrays of them), and
-    `{train,val,test}_labels.pkl`, a dict with 'label_specific' and optionally
-    'label_specific_str' (class names); Python 2 pickles are read as latin1.
-(b) `{train,val,test}/<class name>/*.{jpg,jpeg,png}`, resized bilinearly.
-
-Features: 'image' uint8 [84, 84, 3] (PNG), 'label' int64 (0..C_split - 1, by
-release id or folder name), 'class_name'; written as ArrayRecord for the host
-pipeline's random access.
+tieredImageNet (Ren et al., ICLR 2018): 351 training, 97 validation and 160 test ImageNet
+classes, 84x84 RGB. ImageNet's licence forbids re-hosting, so the builder `tiered_imagenet_cht`
+(unregistered) prepares it from a manual folder: (a) the pickled release of Ren et al.,
+`{train,val,test}_images_png.pkl` (PNG bytes or uint8 arrays) and `{train,val,test}_labels.pkl`
+('label_specific', optionally 'label_specific_str'; Python 2 pickles read as latin1), or (b)
+`{train,val,test}/<class name>/*.{jpg,jpeg,png}`, resized bilinearly. Features: 'image' uint8
+[84, 84, 3] (PNG), 'label' int64 (by release id or folder name), 'class_name'; ArrayRecord.
 """
 
 from __future__ import annotations
@@ -216,12 +209,9 @@ def builder_class():
 
 def prepare(data_dir: str | None, manual_dir: str | None,
             expected_classes: dict[str, int] | None = SPLIT_CLASSES):
-  """Returns the TFDS builder of tieredImageNet, prepared in `data_dir`.
-
-  Reads the download from `manual_dir` (None: `<data_dir>/downloads/manual/tiered_imagenet`)
-  if not yet prepared. Raises DataError if files are missing or the class counts per split
-  are not `expected_classes` (None: any).
-  """
+  """The TFDS builder of tieredImageNet, prepared in `data_dir` from `manual_dir` (None:
+  `<data_dir>/downloads/manual/tiered_imagenet`) if not yet; DataError if files are missing or
+  the class counts per split are not `expected_classes` (None: any)."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   builder = builder_class()(data_dir=data_dir, file_format='array_record')

@@ -30,12 +30,9 @@ def penalty(theta: Theta, fishers: Theta, anchors: Theta, ewc_lambda: float) -> 
 
 def fisher_diagonal(log_probs_fn: Callable[[Theta], jax.Array], theta: Theta,
                     targets: jax.Array, kind: str = 'empirical') -> Theta:
-  """Diagonal Fisher of a batch's log-likelihood at theta, mean over the S samples.
-
-  `log_probs_fn`: theta -> [S, M]. `kind` 'empirical': F = mean_n (d log p(y_n | x_n)
-  / d theta)^2 with `targets` [S]; 'true' (the original EWC): F = mean_n sum_m
-  p(m | x_n) (d log p(m | x_n) / d theta)^2, one sweep per output m.
-  """
+  """Diagonal Fisher at theta of `log_probs_fn`: theta -> [S, M], mean over the S samples:
+  'empirical', mean_n (d log p(y_n | x_n) / d theta)^2 with `targets` [S]; 'true' (the original
+  EWC), mean_n sum_m p(m | x_n) (d log p(m | x_n) / d theta)^2, one sweep per output m."""
   if kind == 'empirical':
     per_sample = lambda th: jnp.take_along_axis(log_probs_fn(th), targets[:, None], -1)[:, 0]
     jacobian = jax.jacrev(per_sample)(theta)  # Leaves [S, ...].

@@ -22,9 +22,8 @@ BATCH_NORM_EPSILON = 1e-3
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:
-  """2x2 max-pool, stride 2, `valid` padding: [N, H, W, C] -> [N, H//2, W//2, C].
-
-  Not `reduce_window`, whose gradient is XLA:CPU's slow `select_and_scatter`."""
+  """2x2 max-pool, stride 2, `valid`: [N, H, W, C] -> [N, H//2, W//2, C]. Not `reduce_window`,
+  whose gradient is XLA:CPU's slow `select_and_scatter`."""
   n, h, w, c = x.shape
   x = x[:, :h // 2 * 2, :w // 2 * 2, :]
   return x.reshape(n, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
@@ -41,11 +40,8 @@ def batch_stat_norm(x: jax.Array, scale: jax.Array, bias: jax.Array,
 
 def conv_block(x: jax.Array, block: dict, conv_impl: str,
                compute_dtype: str = 'float32') -> jax.Array:
-  """conv -> ReLU -> max-pool -> BatchNorm: [N, H, W, C_in] -> [N, H//2, W//2, C_out].
-
-  `block`: 'kernel' [k, k, C_in, C_out], 'scale', 'bias' [C_out]. Under 'fused_cpu'
-  one C++ call each way (`kernels.cpu.conv_block`); 'auto' falls back to 'patches'.
-  """
+  """conv -> ReLU -> max-pool -> BatchNorm: [N, H, W, C_in] -> [N, H//2, W//2, C_out], `block`
+  'kernel' [k, k, C_in, C_out], 'scale', 'bias' [C_out]; 'fused_cpu': one C++ call each way."""
   if ops.resolve_conv_impl(conv_impl) == 'fused_cpu':
     from cht_jax.kernels.cpu import conv_block as cpu_kernel  # pylint: disable=g-import-not-at-top
     reason = (f"it computes in float32 only, not model.compute_dtype='{compute_dtype}'"

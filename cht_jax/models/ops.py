@@ -18,9 +18,7 @@ COMPUTE_DTYPES = ('float32', 'bfloat16')
 
 
 def forward_with_gradient_of(fast: Callable, reference: Callable) -> Callable:
-  """`fast` where nothing differentiates it; `reference`'s value and VJP where something does.
-
-  Both take and return arrays."""
+  """`fast` where nothing differentiates it; `reference`'s value and VJP where something does."""
   @jax.custom_vjp
   def call(*args):
     return fast(*args)
@@ -30,12 +28,8 @@ def forward_with_gradient_of(fast: Callable, reference: Callable) -> Callable:
 
 
 def resolve_conv_impl(impl: str, second_order: bool = False) -> str:
-  """'auto' resolved: 'fused_cpu' on CPU where its kernel compiles, else 'patches'
-  (also under `second_order` differentiation, which the kernel lacks).
-
-  Raises:
-    ValueError: 'fused_cpu' asked for where it cannot run.
-  """
+  """'auto' resolved: 'fused_cpu' on CPU where its kernel compiles, else 'patches' (also under
+  `second_order` differentiation, which the kernel lacks); ValueError: 'fused_cpu' cannot run."""
   if second_order and impl == 'auto':
     return 'patches'
   if second_order and impl == 'fused_cpu' and jax.default_backend() == 'cpu':
@@ -55,14 +49,9 @@ def _padding(size: int, kernel: int, stride: int, padding: str) -> tuple[int, in
 
 def conv2d(x: jax.Array, kernel: jax.Array, stride: int = 1, padding: str = 'SAME',
            impl: str = 'patches', compute_dtype: str = 'float32') -> jax.Array:
-  """2-D convolution without bias, NHWC.
-
-  x [N, H, W, C_in], kernel [k_h, k_w, C_in, C_out] -> [N, H_out, W_out, C_out] float32.
-  `impl`: 'patches' (shifted copies + one matrix product), 'lax' or 'taps'; 'auto'
-  is resolved (`resolve_conv_impl`); under 'fused_cpu' a lone conv runs `lax`
-  forward and `patches`' gradient. `compute_dtype` 'bfloat16': bfloat16
-  operands, float32 accumulation.
-  """
+  """2-D convolution without bias, NHWC: x [N, H, W, C_in], kernel [k_h, k_w, C_in, C_out] ->
+  float32 [N, H_out, W_out, C_out]. `impl` 'patches', 'lax', 'taps' or 'auto'; under 'fused_cpu'
+  a lone conv runs `lax` forward and `patches`' gradient. 'bfloat16': its operands only."""
   impl = resolve_conv_impl(impl)
   if compute_dtype not in COMPUTE_DTYPES:
     raise ValueError(f'Unknown compute_dtype {compute_dtype!r}; expected one of '

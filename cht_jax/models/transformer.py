@@ -80,10 +80,7 @@ class EncoderLayer(nn.Module):
 
 class Encoder(nn.Module):
   """A stack of post-LN encoder layers, widths as fractions of E: [L, E] -> [L, E].
-
-  `encoder_impl` (`resolve_encoder_impl`) only changes how an undifferentiated
-  forward pass runs; under differentiation it is always these modules.
-  """
+  `encoder_impl` changes only how an undifferentiated forward pass runs."""
   num_layers: int
   num_heads: int
   query_key_fraction: float

@@ -118,12 +118,9 @@ def checkpointed_error(reason: str, manager, policy: str) -> DivergenceError:
 
 
 class Rollbacks:
-  """`train.loss_spike_factor`: rolling back a finite collapse (`LossSpikes`).
-
-  The state is copied after each healthy log window (the last two kept). On a spike
-  training goes back to the older copy, drops later rows and checkpoints, and scales
-  the learning rate, recording it in a 'rollback' row of metrics.jsonl for a resume.
-  """
+  """`train.loss_spike_factor`: the state is copied after each healthy log window (the last two
+  kept); on a spike (`LossSpikes`) training goes back to the older copy, drops later rows and
+  checkpoints, and scales the learning rate, in a 'rollback' row of metrics.jsonl."""
 
   def __init__(self, factor: float, log, first_step: int):
     """`factor`: train.loss_spike_factor (0: off); `log`: the run's `workdir.MetricsLog`."""

@@ -145,8 +145,9 @@ class MetricsLog:
     try:
       return _EventFileWriter(workdir)
     except ImportError:
-      _warn_once(f'TensorBoard event files are not written ({clu_missing}; and no '
-                 '`tensorboard` package): metrics.jsonl has every row.')
+      logging.log_first_n(logging.WARNING, 'TensorBoard event files are not written (%s; and '
+                          'no `tensorboard` package): metrics.jsonl has every row.', 1,
+                          clu_missing)
       return _NoEventsWriter()
 
   def write(self, step: int, split: str, metrics: dict[str, float]):
@@ -247,27 +248,15 @@ class _EventFileWriter(_NoEventsWriter):
     self._writer.close()
 
 
-_WARNED = set()
-
-
-def _warn_once(message: str) -> None:
-  if message not in _WARNED:
-    _WARNED.add(message)
-    logging.warning(message)
-
-
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
   """`<workdir>/config.json`: what `api.load_config` and resume mismatch messages read."""
   write_atomically(os.path.join(workdir, 'config.json'), config.to_json_best_effort())
 
 
 class RunLock:
-  """One training run per workdir: `<workdir>/run.lock`, held while the run lives.
-
-  Created atomically (O_EXCL), naming its holder, touched every LOCK_REFRESH_SECONDS. A
-  second run raises a `WorkdirError` naming the holder, unless that is dead: then it
-  takes the lock over and logs it.
-  """
+  """One training run per workdir: `<workdir>/run.lock`, created atomically (O_EXCL) naming its
+  holder, touched every LOCK_REFRESH_SECONDS. A second run raises a `WorkdirError` naming the
+  holder, unless that is dead: then it takes the lock over."""
 
   def __init__(self, workdir: str):
     self.path = os.path.join(workdir, LOCK_NAME)

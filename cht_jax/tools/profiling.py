@@ -34,10 +34,8 @@ def hlo_sources(hlo_text: str) -> dict[str, str]:
 
 
 def op_times(xplane_path: str, sources: dict[str, str] | None = None) -> dict:
-  """{'device_ns', 'ops': [(name, ns, count, source)], 'sources': [(source, ns, count)]}.
-
-  `sources`: kernel name -> JAX op name (`hlo_sources`), for the source column.
-  """
+  """{'device_ns', 'ops': [(name, ns, count, source)], 'sources': [(source, ns, count)]};
+  `sources`: kernel name -> JAX op name (`hlo_sources`)."""
   sources = sources or {}
   data = jax.profiler.ProfileData.from_file(xplane_path)
   planes = [p for p in data.planes if p.name.startswith('/device:')]

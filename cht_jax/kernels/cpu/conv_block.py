@@ -62,11 +62,8 @@ _conv_relu_pool_norm.defvjp(_norm_fwd, _norm_bwd)
 
 def conv_relu_pool_norm(x: jax.Array, kernel: jax.Array, scale: jax.Array, bias: jax.Array,
                         epsilon: float) -> jax.Array:
-  """`cnn.conv_block` on the CPU, one call each way; ValueError for inputs it cannot take.
-
-  x [N, H, W, C_in] -> [N, H // 2, W // 2, C_out], kernel [k, k, C_in, C_out] with
-  k odd, C_out in (8, 16, 32, 64), all float32.
-  """
+  """`cnn.conv_block` on the CPU, one call each way; ValueError for inputs it cannot take
+  (`unsupported`)."""
   reason = unsupported(x, kernel)
   if reason:
     raise ValueError(f"model.conv_impl='fused_cpu': {reason}; use auto or patches.")

@@ -48,10 +48,8 @@ def _cpu_signature() -> str:
 
 
 def build() -> pathlib.Path:
-  """The compiled library's path, compiled first where the cache lacks it.
-
-  Raises KernelBuildError where there is no compiler or the sources do not compile.
-  """
+  """The compiled library's path, compiled first where the cache lacks it (KernelBuildError
+  where there is no compiler or the sources do not compile)."""
   key = hashlib.sha256(b'\0'.join([
       *(source.read_bytes() for source in _SOURCES + _HEADERS), jaxlib.__version__.encode(),
       ' '.join(_COMPILER_FLAGS).encode(), _cpu_signature().encode()])).hexdigest()[:16]
