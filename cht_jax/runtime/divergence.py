@@ -84,17 +84,15 @@ def error(reason: str, last_checkpoint: int | None, directory: str,
 class LossSpikes:
   """Which log windows' mean training loss jumped (a finite collapse)."""
 
-  def __init__(self, factor: float, reset_steps=()):
-    """`factor` 0: never a spike; `reset_steps`: where the loss takes a new scale."""
+  def __init__(self, factor: float):
+    """`factor` 0: never a spike."""
     self._factor = factor
-    self._reset_steps = sorted(reset_steps)
     self._healthy = []  # (last step, mean loss) of the windows that were not spikes.
 
   def check(self, step: int, loss: float) -> str | None:
     """Records the window ending at `step`; returns why it is a spike, or None."""
     if self._factor:
-      start = max([s for s in self._reset_steps if s <= step], default=0)
-      reference = [l for s, l in self._healthy if s >= start][-SPIKE_REFERENCE_WINDOWS:]
+      reference = [l for _, l in self._healthy][-SPIKE_REFERENCE_WINDOWS:]
       if len(reference) >= SPIKE_MIN_WINDOWS and loss > self._factor * min(reference):
         return (f'the mean training loss of the steps up to {step} is {loss:.4g}, over '
                 f'{self._factor:g} x {min(reference):.4g} (the lowest of the '
