@@ -111,14 +111,6 @@ def test_crop_and_resize_keeps_flat_images_and_zooms():
   assert float(zoomed.max()) < 0.0 and float(zoomed.min()) == pytest.approx(-1.0)
 
 
-def test_augment_spec_validation():
-  augment.validate(augment.AugmentSpec(hue=0.5, crop_min_scale=1.0))
-  for bad in (dict(hue=0.6), dict(brightness=-0.1), dict(contrast=2.0),
-              dict(crop_min_scale=0.0)):
-    with pytest.raises(ValueError, match=list(bad)[0]):
-      augment.validate(augment.AugmentSpec(**bad))
-
-
 # --------------------------------------------------------------------------
 # The 'domain' sampler: class row c holds value c everywhere.
 # --------------------------------------------------------------------------

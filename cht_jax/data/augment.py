@@ -45,18 +45,6 @@ class AugmentSpec(NamedTuple):
             self.contrast == 0 and self.crop_min_scale >= 1)
 
 
-def validate(spec: AugmentSpec) -> None:
-  """Raises ValueError naming the out-of-range strength."""
-  if not 0 <= spec.hue <= 0.5:
-    raise ValueError(f'augment.hue must be in [0, 0.5], got {spec.hue}.')
-  if not 0 <= spec.brightness <= 1:
-    raise ValueError(f'augment.brightness must be in [0, 1], got {spec.brightness}.')
-  if not 0 <= spec.contrast <= 1:
-    raise ValueError(f'augment.contrast must be in [0, 1], got {spec.contrast}.')
-  if not 0 < spec.crop_min_scale <= 1:
-    raise ValueError(f'augment.crop_min_scale must be in (0, 1], got {spec.crop_min_scale}.')
-
-
 def _hue(u: jax.Array, delta: jax.Array) -> jax.Array:
   """Rotates the chroma of u [H, W, 3] by 2 pi * delta."""
   angle = 2 * jnp.pi * delta
