@@ -29,12 +29,6 @@ def lower_triangle(num_tasks: int) -> np.ndarray:
   return np.tril(np.ones((num_tasks, num_tasks), bool))
 
 
-def mask_upper(matrix: np.ndarray) -> np.ndarray:
-  """A copy of `matrix` [..., T, T] with NaN above the diagonal."""
-  matrix = _check_square(matrix)
-  return np.where(lower_triangle(matrix.shape[-1]), matrix, np.nan)
-
-
 def average_accuracy(matrix: np.ndarray) -> np.ndarray:
   """ACC: mean of the last row, [..., T, T] -> [...]."""
   matrix = _check_square(matrix)

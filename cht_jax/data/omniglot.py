@@ -57,14 +57,10 @@ class DataError(RuntimeError):
 def class_split(split_scheme: str = 'ht', split_seed: int = 2022) -> dict[str, np.ndarray]:
   """Returns {'train', 'validation', 'test'} -> int64 [C_split] global class ids.
 
-  Args:
-    split_scheme: 'ht': HyperTransformer's split, ids 0..1622 shuffled by
-      `random.Random(split_seed).shuffle` (as `random.seed(split_seed);
-      random.shuffle(ids)`), then 1150 train, 50 validation, 423 test.
-      'alphabet': background/evaluation; background ids 0..913 train, the
-      last 50 (914..963, not whole alphabets) validation, evaluation ids
-      964..1622 test; `split_seed` unused.
-    split_seed: seed of the 'ht' shuffle.
+  'ht': HyperTransformer's split, ids 0..1622 shuffled by `random.Random(split_seed)`
+  (as `random.seed(split_seed); random.shuffle(ids)`), then 1150 train, 50 validation,
+  423 test. 'alphabet': background ids 0..913 train, the last 50 (914..963, not whole
+  alphabets) validation, evaluation ids 964..1622 test.
   """
   if split_scheme == 'ht':
     ids = list(range(NUM_CLASSES))
@@ -95,13 +91,9 @@ def _read_sums(folder: str) -> dict[str, str]:
   path = os.path.join(folder, SUMS_FILENAME)
   if not os.path.exists(path):
     return {}
-  sums = {}
   with open(path) as f:
-    for line in f:
-      parts = line.split()
-      if len(parts) == 2:
-        sums[parts[1].lstrip('*')] = parts[0].lower()
-  return sums
+    rows = [line.split() for line in f]
+  return {row[1].lstrip('*'): row[0].lower() for row in rows if len(row) == 2}
 
 
 def error_summary(error: Exception) -> str:
@@ -131,12 +123,9 @@ def _fix_hint(folder: str) -> str:
 
 
 def _verified_url_infos(folder: str, registered: dict) -> dict:
-  """Checks the archives in `folder`; returns url -> `UrlInfo` of each file there.
-
-  Raises:
-    DataError: an archive is missing, or its sha256 matches neither TFDS's
-      registered one (`registered`: the stock url_infos) nor `SHA256SUMS`'s.
-  """
+  """Checks the archives in `folder`; returns url -> `UrlInfo` of each file there. A
+  DataError where one is missing, or its sha256 matches neither TFDS's registered one
+  (`registered`: the stock url_infos) nor `SHA256SUMS`'s."""
   from tensorflow_datasets.core.download import checksums  # pylint: disable=g-import-not-at-top
   from tensorflow_datasets.core import utils as tfds_utils  # pylint: disable=g-import-not-at-top
 
@@ -210,10 +199,8 @@ def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
   then prepared offline by a subclass of the stock builder with their
   `url_infos`. With none, TFDS downloads, unless neither the upstream server
   nor TFDS's GCS bucket answers a HEAD request: then this fails at once
-  (TFDS would retry for minutes).
-
-  Raises:
-    DataError: an archive is missing or corrupt, or the download failed.
+  (TFDS would retry for minutes). A DataError where an archive is missing or
+  corrupt, or the download failed.
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
@@ -410,12 +397,9 @@ def load_omniglot(
   M = `images_per_class` images and only warns about labels that are not
   global ids. `binarize`: see `binarize_images`; cached in a file of its own.
 
-  Returns:
-    {'train', 'validation', 'test'} -> uint8 [C_split, M, S, S, 1]; C is
-    1150/50/423 ('ht') or 914/50/659 ('alphabet').
-
-  Raises:
-    DataError: missing or corrupt data, or classes without exactly M images.
+  Returns {'train', 'validation', 'test'} -> uint8 [C_split, M, S, S, 1] (C 1150/50/423
+  for 'ht', 914/50/659 for 'alphabet'); a DataError for missing or corrupt data, or
+  classes without exactly M images.
   """
   splits = class_split(split_scheme, split_seed)  # Validates the scheme.
   # Mock data (tests) never reads or writes the cache of the real dataset.
