@@ -139,15 +139,21 @@ def _say(message: str) -> None:
   sys.stderr.flush()
 
 
-def _stop_job(error: Exception, workdir: str) -> None:
-  """Ends a process of a multi-process job at once (a normal exit could wait on the others)."""
-  _STOPPING.acquire()  # The watch and the main thread may both stop it: one line.
+def _last_line(error: Exception, workdir: str) -> str:
+  """What a process of a multi-process job says when `error` stops it."""
   if isinstance(error, devices.LostProcessError):
     error = devices.LostProcessError(
         f'{error} Stopping; the complete checkpoints in {os.path.abspath(workdir)}/'
         f'checkpoints are kept: restart all {jax.process_count()} processes with the same '
         'command to resume from the latest.')
-  _say(f'{type(error).__name__}: {error}')
+  return f'{type(error).__name__}: {error}'
+
+
+def _stop_job(error: Exception, workdir: str) -> None:
+  """Ends a process of a multi-process job at once (a normal exit could wait on the others)."""
+  _STOPPING.acquire()  # The watch and the main thread may both stop it: one line.
+  devices.stand_down()
+  _say(_last_line(error, workdir))
   os._exit(1)  # pylint: disable=protected-access
 
 
@@ -164,7 +170,8 @@ def main(argv):
     devices.initialize_distributed(
         FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
         FLAGS.heartbeat_timeout_seconds, FLAGS.coordinator_timeout_seconds,
-        stop=lambda error: _stop_job(error, workdir))
+        stop=lambda error: _stop_job(error, workdir),
+        last_line=lambda error: _last_line(error, workdir))
   logging.info('JAX %s, process %d/%d, devices: %s', jax.__version__,
                jax.process_index(), jax.process_count(), jax.devices())
   try:

@@ -72,21 +72,21 @@ def run(num_processes: int, main_flags: list[str], devices_per_process: int,
   previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
   try:
     failure, deadline = None, None
-    while any(p.poll() is None for p in processes):
-      if failure is None:
-        failed = [p for p in processes if p.poll() not in (None, 0)]
-        if failed:
-          failure, deadline = shell_status(failed[0].returncode), time.time() + grace_seconds
-          print(f'local_multiprocess: process {processes.index(failed[0])} exited with '
-                f'{describe(failed[0].returncode)}; stopping the others within '
-                f'{grace_seconds:.0f} s; exit status {failure}.', file=sys.stderr, flush=True)
+    while True:
+      running = any(p.poll() is None for p in processes)  # Before the failures: all seen.
+      failed = [p for p in processes if p.poll() not in (None, 0)]
+      if failure is None and failed:
+        failure, deadline = shell_status(failed[0].returncode), time.time() + grace_seconds
+        print(f'local_multiprocess: process {processes.index(failed[0])} exited with '
+              f'{describe(failed[0].returncode)}; stopping the others within '
+              f'{grace_seconds:.0f} s; exit status {failure}.', file=sys.stderr, flush=True)
+      if not running:
+        return failure or 0
       if deadline is not None and time.time() > deadline:
         for p in processes:
           if p.poll() is None:
             p.kill()
       time.sleep(poll_seconds)
-    codes = [p.returncode for p in processes]
-    return failure if failure is not None else next((shell_status(c) for c in codes if c), 0)
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)

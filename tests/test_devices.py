@@ -56,3 +56,25 @@ def test_importing_the_entry_points_starts_no_backend():
             'from jax._src import xla_bridge\n'
             'print(xla_bridge.backends_are_initialized())')
     assert _last_line(code) == 'False', module
+
+
+def test_the_watcher_outside_a_process_speaks_only_where_it_must():
+  """Where its process ends without `stand_down` ('done') and the coordinator's port does
+  not answer, the watcher writes the process's last line; else it stays silent."""
+  from cht_jax.runtime import devices  # pylint: disable=g-import-not-at-top
+  import socket  # pylint: disable=g-import-not-at-top
+  line = 'LostProcessError: process 1 of 2 lost contact with process 0 of this job (...).'
+
+  def watcher_says(port, ending):
+    watcher = subprocess.Popen([sys.executable, '-I', '-c', devices._OUTSIDE_WATCH, '127.0.0.1',
+                                str(port), line], stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    return watcher.communicate(ending, timeout=60)[1]  # Then stdin closes, as at an exit.
+
+  with socket.socket() as coordinator:
+    coordinator.bind(('127.0.0.1', 0))
+    coordinator.listen()
+    port = coordinator.getsockname()[1]
+    assert watcher_says(port, '') == ''  # The coordinator answers: another cause.
+  assert watcher_says(port, '') == f'\n{line}\n'  # Gone (its port closed) and no word.
+  assert watcher_says(port, 'done') == ''  # The process said its own last line.

@@ -91,10 +91,32 @@ def test_two_processes_train_and_evaluate_as_one(tmp_path, prepared_omniglot, en
     assert results['two']['table'][setting] == results['one']['table'][setting]
 
 
+def start_then_lose(env, log_path, workdir, data_dir, process_id, after_step):
+  """Starts the job again and SIGKILLs process `process_id` once two checkpoints past
+  `after_step` are complete; the launcher would stop the survivor after 300 s, so it must
+  stop by itself before. Returns the launcher's (exit status, log)."""
+  process = launch(env, log_path, workdir, data_dir, '--config.train.num_steps=500',
+                   '--heartbeat_timeout_seconds=10', grace_seconds=300)
+  saved = lambda: len([s for s in complete_steps(workdir) if s > after_step]) >= 2
+  assert wait_for(saved, process, timeout=300), finish(process, log_path)[1][-3000:]
+  with open(log_path) as f:
+    assert f.read().count(f'Resuming from the checkpoint of step {after_step}') == 2
+  children = subprocess.run(['pgrep', '-P', str(process.pid), '-f', f'process_id={process_id}'],
+                            capture_output=True, text=True).stdout.split()
+  assert len(children) == 1
+  os.kill(int(children[0]), signal.SIGKILL)
+  killed = time.time()
+  rc, log = finish(process, log_path, timeout=240)
+  assert time.time() - killed < 60 and rc != 0, log[-3000:]
+  assert f'local_multiprocess: process {process_id} exited with -9' in log
+  return rc, log
+
+
 def test_sigterm_then_a_lost_process_then_resume(tmp_path, prepared_omniglot, env):
-  """One job through three lives: SIGTERM stops both processes at one agreed step; the
-  resumed job loses process 1 to SIGKILL and process 0 stops by itself, naming it; the
-  job restarted once more resumes from the latest complete checkpoint, nothing lost."""
+  """One job through four lives: SIGTERM stops both processes at one agreed step; the
+  resumed job loses process 1 to SIGKILL and process 0 stops by itself, naming it; then it
+  loses process 0, the coordinator, and process 1 names it; the job restarted once more
+  resumes from the latest complete checkpoint, nothing lost."""
   workdir, log_path = str(tmp_path / 'work'), str(tmp_path / 'work.log')
   process = launch(env, log_path, workdir, prepared_omniglot, '--config.train.num_steps=500')
   logged = lambda: os.path.exists(os.path.join(workdir, 'metrics.jsonl')) and len(
@@ -108,21 +130,7 @@ def test_sigterm_then_a_lost_process_then_resume(tmp_path, prepared_omniglot, en
   step = int(lines[0].split('after step ')[1].split(',')[0])
   assert complete_steps(workdir)[-1] == step
 
-  # The launcher would stop the survivor after 300 s: it must stop by itself before.
-  process = launch(env, log_path, workdir, prepared_omniglot, '--config.train.num_steps=500',
-                   '--heartbeat_timeout_seconds=10', grace_seconds=300)
-  saved = lambda: len([s for s in complete_steps(workdir) if s > step]) >= 2
-  assert wait_for(saved, process, timeout=300), finish(process, log_path)[1][-3000:]
-  with open(log_path) as f:
-    assert f.read().count(f'Resuming from the checkpoint of step {step}') == 2
-  children = subprocess.run(['pgrep', '-P', str(process.pid), '-f', 'process_id=1'],
-                            capture_output=True, text=True).stdout.split()
-  assert len(children) == 1
-  os.kill(int(children[0]), signal.SIGKILL)
-  killed = time.time()
-  rc, log = finish(process, log_path, timeout=240)
-  assert time.time() - killed < 60 and rc != 0, log[-3000:]
-  assert 'local_multiprocess: process 1 exited with -9' in log
+  rc, log = start_then_lose(env, log_path, workdir, prepared_omniglot, 1, step)
   # Process 0 names the lost one: our line where a collective broke, JAX's where it
   # waited elsewhere (a checkpoint's barrier) until the heartbeat timeout.
   ours = [l for l in log.splitlines() if l.startswith('LostProcessError')]
@@ -136,11 +144,24 @@ def test_sigterm_then_a_lost_process_then_resume(tmp_path, prepared_omniglot, en
                                   options=ocp.CheckpointManagerOptions(read_only=True))
   assert manager.latest_step() == steps[-1]
   manager.close()
+
+  # The coordinator lost: JAX aborts process 1 in C++; its watcher outside says why.
+  # Process 1 says so itself where a save or collective broke; else its watcher does.
+  start_then_lose(env, log_path, workdir, prepared_omniglot, 0, steps[-1])
+  line = '\nLostProcessError: process 1 of 2 lost contact with process 0 of this job ('
+  deadline = time.time() + 20  # The watcher writes once process 1 has ended.
+  while line not in open(log_path).read() and time.time() < deadline:
+    time.sleep(0.1)
+  log = open(log_path).read()
+  assert log.count(line) == 1, log[-3000:]
+  assert 'restart all 2 processes with the same command to resume' in log.split(line)[1]
+  steps = complete_steps(workdir)
   # Both gone now: restarted, both resume from the latest complete checkpoint.
   rc, log = finish(launch(env, log_path, workdir, prepared_omniglot,
                           f'--config.train.num_steps={steps[-1] + 2}'), log_path)
   assert rc == 0, log[-3000:]
   assert log.count(f'Resuming from the checkpoint of step {steps[-1]}') == 2
+  assert 'LostProcessError' not in log  # A normal end: the watcher outside stays silent.
   assert [r['step'] for r in train_rows(workdir)] == list(range(1, steps[-1] + 3))
 
 

@@ -7,6 +7,8 @@ one after another on few threads (docs/performance.md). Several processes
 
 import atexit
 import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Callable
@@ -14,6 +16,7 @@ from typing import Callable
 from absl import logging
 import jax
 from jax import flatten_util
+from jax._src import distributed  # The client: live processes, barriers.
 import jax.numpy as jnp
 
 _DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
@@ -23,6 +26,19 @@ _LOST_SIGNS = ('Gloo', 'heartbeat', 'Connection reset', 'UNAVAILABLE', 'connecti
 _WATCH_SECONDS = 1.0  # How often the watch asks the coordinator which processes live.
 _EXIT_BARRIER_MS = 30 * 60 * 1000  # At the end, process 0 may still be writing results.
 _SHUTTING_DOWN = threading.Event()  # Set at a normal exit: the watch then stands down.
+# Where the coordinator, process 0, is lost, JAX's client aborts the others in C++ before
+# any Python runs. So each of them starts this watcher: when its process ends without
+# `stand_down` and the coordinator no longer answers, it writes the process's last line.
+_OUTSIDE_WATCH = '''import signal, socket, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the process's to answer.
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if sys.stdin.read() != 'done':
+  try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10).close()
+  except OSError:
+    sys.stderr.write('\\n' + sys.argv[3] + '\\n')
+'''
+_outside_watch = []  # The watcher's process, while armed.
 
 
 class CoordinatorError(RuntimeError):
@@ -103,11 +119,13 @@ def batch_grads(loss_fn, params, episodes, mesh: jax.sharding.Mesh, vectorize: b
 def initialize_distributed(coordinator_address: str | None, num_processes: int | None,
                            process_id: int | None, heartbeat_timeout_seconds: int,
                            coordinator_timeout_seconds: int,
-                           stop: Callable[[Exception], None]) -> None:
+                           stop: Callable[[Exception], None],
+                           last_line: Callable[[Exception], str]) -> None:
   """`jax.distributed.initialize`, then a watch on the other processes. `stop(error)`, called
   from a thread (the main one may wait in XLA), must end the process: a CoordinatorError if
   this one has not joined in time, a LostProcessError once another is silent for
-  `heartbeat_timeout_seconds` or the coordinator is gone."""
+  `heartbeat_timeout_seconds` or the coordinator is gone; `stand_down` first.
+  `last_line(error)` is what `stop` would write, for a watcher outside this process."""
   # Recoverable: a lost process is reported to the others instead of aborting them in C++.
   jax.config.update('jax_enable_recoverability', True)
   address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
@@ -127,13 +145,30 @@ def initialize_distributed(coordinator_address: str | None, num_processes: int |
                            name='lost_process_watch')
   watch.start()
   atexit.register(_leave_together)
+  address = distributed.global_state.coordinator_address  # Found by JAX where not given.
+  if jax.process_index() != 0 and address:
+    host, port = address.rsplit(':', 1)
+    line = last_line(lost_process_error('the coordinator is unreachable', [0]))
+    _outside_watch.append(subprocess.Popen(
+        [sys.executable, '-I', '-c', _OUTSIDE_WATCH, host.strip('[]'), port, line],
+        stdin=subprocess.PIPE, text=True))
+
+
+def stand_down() -> None:
+  """This process ends by its own decision: the watcher outside it stays silent."""
+  while _outside_watch:
+    try:
+      with _outside_watch.pop().stdin as pipe:
+        pipe.write('done')
+    except OSError:  # It is gone already.
+      pass
 
 
 def _leave_together() -> None:
   """At a normal exit, waits for the other processes (recoverable mode's shutdown does
   not): an early leaver looks lost, and process 0, the coordinator, must leave last."""
   _SHUTTING_DOWN.set()
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  stand_down()
   client = distributed.global_state.client
   if client is None:
     return
@@ -159,7 +194,6 @@ def _coordinator_message(address, num_processes, process_id, seconds) -> str:
 
 def _watch_processes(stop: Callable[[Exception], None]) -> None:
   """Polls the coordinator for the live processes; stops this one when one is gone."""
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
   everyone = list(range(jax.process_count()))
   while not _SHUTTING_DOWN.wait(_WATCH_SECONDS):
     try:
