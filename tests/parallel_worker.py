@@ -1,8 +1,9 @@
-"""Run by test_parallel.py in a fresh process with N fake CPU devices (XLA_FLAGS set first).
+"""Run by test_parallel.py in a fresh process with fake CPU devices (XLA_FLAGS set first).
 
-Takes one training step on the same global batch of episodes over a mesh of all N
-devices and over a mesh of one device, and prints the largest differences as JSON.
-argv: N, then `model.vectorize` ('vmap' or 'loop': how each device takes its episodes).
+For each argument N:VECTORIZE, takes one training step on the same global batch of
+episodes over a mesh of the first N devices and over a mesh of one device, and prints the
+largest differences as one JSON line. VECTORIZE is `model.vectorize` ('vmap' or 'loop':
+how each device takes its episodes).
 """
 
 import json
@@ -35,27 +36,33 @@ def one_step(config, devices, images):
   return initial_params, jax.device_get(new_state.params), jax.device_get(metrics), collectives
 
 
-def main():
-  expected_devices = int(sys.argv[1])
-  assert jax.device_count() == expected_devices, jax.devices()
+def compare(num_devices, vectorize):
   config = omniglot_t2.get_config('tiny')
-  config.model.vectorize = sys.argv[2]
+  config.model.vectorize = vectorize
   config.train.episodes_per_step = 8
   config.optim.name = 'sgd'  # Adam's first step is sign(g) * lr: it would amplify float noise.
   config.optim.learning_rate = 0.01
   images = np.random.default_rng(0).integers(0, 256, (12, 20, 16, 16, 1), dtype=np.uint8)
-  _, params_n, metrics_n, collectives = one_step(config, jax.devices(), images)
+  _, params_n, metrics_n, collectives = one_step(config, jax.devices()[:num_devices], images)
   initial_params, params_1, metrics_1, _ = one_step(config, jax.devices()[:1], images)
   diff = lambda a, b: max(float(np.max(np.abs(x - y)))
                           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  print(json.dumps({
-      'devices': jax.device_count(),
+  return {
+      'devices': num_devices,
+      'vectorize': vectorize,
       'collectives': collectives,
       'loss': [float(metrics_n['loss']), float(metrics_1['loss'])],
       'grad_norm': [float(metrics_n['grad_norm']), float(metrics_1['grad_norm'])],
       'max_param_diff': diff(params_n, params_1),
       'max_param_change': diff(params_1, initial_params),
-  }))
+  }
+
+
+def main():
+  for case in sys.argv[1:]:
+    num_devices, vectorize = case.split(':')
+    assert jax.device_count() >= int(num_devices), jax.devices()
+    print(json.dumps(compare(int(num_devices), vectorize)), flush=True)
 
 
 if __name__ == '__main__':
