@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -62,7 +63,6 @@ def test_the_watcher_outside_a_process_speaks_only_where_it_must():
   """Where its process ends without `stand_down` ('done') and the coordinator's port does
   not answer, the watcher writes the process's last line; else it stays silent."""
   from cht_jax.runtime import devices  # pylint: disable=g-import-not-at-top
-  import socket  # pylint: disable=g-import-not-at-top
   line = 'LostProcessError: process 1 of 2 lost contact with process 0 of this job (...).'
 
   def watcher_says(port, ending):

@@ -145,8 +145,8 @@ def test_sigterm_then_a_lost_process_then_resume(tmp_path, prepared_omniglot, en
   assert manager.latest_step() == steps[-1]
   manager.close()
 
-  # The coordinator lost: JAX aborts process 1 in C++; its watcher outside says why.
-  # Process 1 says so itself where a save or collective broke; else its watcher does.
+  # The coordinator lost: process 1 says so itself where a save or collective broke first;
+  # where JAX aborts it in C++, its watcher outside says it.
   start_then_lose(env, log_path, workdir, prepared_omniglot, 0, steps[-1])
   line = '\nLostProcessError: process 1 of 2 lost contact with process 0 of this job ('
   deadline = time.time() + 20  # The watcher writes once process 1 has ended.

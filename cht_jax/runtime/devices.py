@@ -145,9 +145,9 @@ def initialize_distributed(coordinator_address: str | None, num_processes: int |
                            name='lost_process_watch')
   watch.start()
   atexit.register(_leave_together)
-  address = distributed.global_state.coordinator_address  # Found by JAX where not given.
-  if jax.process_index() != 0 and address:
-    host, port = address.rsplit(':', 1)
+  found = distributed.global_state.coordinator_address  # JAX's, where the cluster gave it.
+  if jax.process_index() != 0 and found:
+    host, port = found.rsplit(':', 1)
     line = last_line(lost_process_error('the coordinator is unreachable', [0]))
     _outside_watch.append(subprocess.Popen(
         [sys.executable, '-I', '-c', _OUTSIDE_WATCH, host.strip('[]'), port, line],
