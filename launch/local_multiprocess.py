@@ -13,10 +13,12 @@ exit status (128 + N when killed by signal N) is this launcher's.
 
 import argparse
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -70,23 +72,30 @@ def run(num_processes: int, main_flags: list[str], devices_per_process: int,
         p.send_signal(signum)
 
   previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+  # (index, status) in the order the processes end: where a peer's loss ends the others
+  # within one poll, the first to end is still the one named.
+  exits = queue.Queue()
+  for index, process in enumerate(processes):
+    threading.Thread(target=lambda i=index, p=process: exits.put((i, p.wait())),
+                     daemon=True).start()
   try:
-    failure, deadline = None, None
-    while True:
-      running = any(p.poll() is None for p in processes)  # Before the failures: all seen.
-      failed = [p for p in processes if p.poll() not in (None, 0)]
-      if failure is None and failed:
-        failure, deadline = shell_status(failed[0].returncode), time.time() + grace_seconds
-        print(f'local_multiprocess: process {processes.index(failed[0])} exited with '
-              f'{describe(failed[0].returncode)}; stopping the others within '
-              f'{grace_seconds:.0f} s; exit status {failure}.', file=sys.stderr, flush=True)
-      if not running:
-        return failure or 0
+    failure, deadline, running = None, None, len(processes)
+    while running:
+      try:
+        index, returncode = exits.get(timeout=poll_seconds)
+        running -= 1
+        if failure is None and returncode != 0:
+          failure, deadline = shell_status(returncode), time.time() + grace_seconds
+          print(f'local_multiprocess: process {index} exited with {describe(returncode)}; '
+                f'stopping the others within {grace_seconds:.0f} s; exit status {failure}.',
+                file=sys.stderr, flush=True)
+      except queue.Empty:
+        pass
       if deadline is not None and time.time() > deadline:
         for p in processes:
           if p.poll() is None:
             p.kill()
-      time.sleep(poll_seconds)
+    return failure or 0
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
