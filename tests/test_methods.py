@@ -55,10 +55,12 @@ def test_method_gives_the_numbers_of_before_the_redesign(name, tmp_path):
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f]
   golden = GOLDEN[name]
-  # The first logged losses (before or right after the first update) agree with the
-  # golden ones up to float32 rounding on any CPU (kernels, vector widths differ).
+  # The first logged loss agrees with the golden one up to float32 rounding on any CPU
+  # (kernels, vector widths differ): within 1e-3, as it is the mean over the first log
+  # window, whose later steps follow the first update (CHT's moved by more than 1e-4 on an AMD
+  # EPYC without AVX-512).
   train_loss = [r['train/loss'] for r in rows if r['split'] == 'train']
-  np.testing.assert_allclose(train_loss[0], golden['train_loss'][0], rtol=1e-4)
+  np.testing.assert_allclose(train_loss[0], golden['train_loss'][0], rtol=1e-3)
   # Later numbers follow Adam's first steps, sign(g) per parameter: on another CPU a
   # rounding-level difference flips the sign of near-zero gradient components and the
   # runs part (MAML++'s second row: 4.14 against 4.48 on an AMD EPYC). On the machine
