@@ -124,6 +124,22 @@ def tiny_params(tiny_ht, tiny_episode):
                       tiny_episode['support_labels'][0], theta)['params']
 
 
+# pytest-xdist (pyproject's addopts) hands each worker one test file at a time, in collection
+# order (`--no-loadscope-reorder`; its own reorder sorts by number of tests, which put the
+# slowest file, of three tests, last). The slowest files go first, so that the two workers
+# end together; `methods` second, as it needs no Omniglot while the first file prepares it.
+# The order is by `--durations` per file; a file not named here runs after these.
+SLOWEST_FILES_FIRST = ('test_multiprocess.py', 'test_methods.py', 'test_reliability.py',
+                       'test_baselines.py', 'test_semisupervised.py', 'test_datasets.py',
+                       'test_evaluate.py', 'test_fused_cpu.py', 'test_parallel.py',
+                       'test_train.py', 'test_models.py', 'test_continual.py')
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(SLOWEST_FILES_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # Stable: files stay whole.
+
+
 def require_archives():
   if not OMNIGLOT_ARCHIVES.is_dir():
     pytest.skip(f'Omniglot archives not found at {OMNIGLOT_ARCHIVES} '
