@@ -127,7 +127,7 @@ def test_constpn_is_the_generated_cnn_with_trained_parameters():
   jax.tree.map(lambda a, b: np.testing.assert_equal(a.shape, b.shape), params, zeros)
 
   # A generated theta_0 dropped into ConstPN gives CHT's prototypes of task 0.
-  episode = make_episode(jax.random.key(2), num_tasks=2, ways=3, shots=1)
+  episode = make_episode(2, num_tasks=2, ways=3, shots=1)
   ht_params = cht.init(jax.random.key(1))
   thetas, prototypes = cht.thetas_and_prototypes(
       ht_params, episode['support_images'], episode['support_labels'])
@@ -159,7 +159,7 @@ def test_constpn_trains_on_five_times_the_ways(images):
 
 def test_merge_tasks_labels_and_order():
   num_tasks, ways, shots = 3, 4, 2
-  episode = make_episode(jax.random.key(0), num_tasks=num_tasks, ways=ways, shots=shots)
+  episode = make_episode(0, num_tasks=num_tasks, ways=ways, shots=shots)
   images, labels = merged_ht.merge_tasks(episode['support_images'], episode['support_labels'],
                                        ways)
   assert images.shape == (num_tasks * ways * shots, *IMAGE_SHAPE)
@@ -175,7 +175,7 @@ def test_merged_ht_one_theta_and_merged_prototypes():
   merged = methods.build(config)
   assert merged.ht.num_ways == 2 * config.episode.ways
   params = merged.init(jax.random.key(0))
-  episode = make_episode(jax.random.key(3), num_tasks=2, ways=3, shots=1)
+  episode = make_episode(3, num_tasks=2, ways=3, shots=1)
   thetas, prototypes = merged.thetas_and_prototypes(
       params, episode['support_images'], episode['support_labels'])
   jax.tree.map(lambda x: np.testing.assert_array_equal(x[0], x[1]), thetas)

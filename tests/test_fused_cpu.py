@@ -17,7 +17,7 @@ from cht_jax.kernels.cpu import library
 from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import ops
-from conftest import override, tiny_config
+from conftest import normal, override, tiny_config
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != 'cpu',
                                 reason='the fused_cpu kernels run on CPU hosts only')
@@ -43,12 +43,12 @@ definition_block = block_fn('patches')
     ((), 2, 9, 3, 16, 3), ((), 2, 10, 5, 64, 5), ((), 3, 6, 16, 32, 1),
     ((3,), 5, 9, 3, 32, 3), ((2,), 4, 6, 8, 64, 3)])
 def test_block_forward_and_gradients_match_the_definition(lead, n, size, c_in, c_out, k):
-  keys = jax.random.split(jax.random.key(size * c_in + c_out), 5)
-  x = jax.random.normal(keys[0], (*lead, n, size, size, c_in))
-  kernel = 0.5 * jax.random.normal(keys[1], (*lead, k, k, c_in, c_out))
-  scale = jax.random.normal(keys[2], (*lead, c_out))
-  bias = jax.random.normal(keys[3], (*lead, c_out))
-  d_out = jax.random.normal(keys[4], (*lead, n, size // 2, size // 2, c_out))
+  seed = 5 * (size * c_in + c_out)
+  x = normal(seed, (*lead, n, size, size, c_in))
+  kernel = 0.5 * normal(seed + 1, (*lead, k, k, c_in, c_out))
+  scale = normal(seed + 2, (*lead, c_out))
+  bias = normal(seed + 3, (*lead, c_out))
+  d_out = normal(seed + 4, (*lead, n, size // 2, size // 2, c_out))
   fused, expected = fused_block, definition_block
   for _ in lead:  # One batched call (vmap's 'broadcast_all'), each episode its own statistics.
     fused, expected = jax.vmap(fused), jax.vmap(expected)
@@ -67,8 +67,8 @@ def test_block_forward_and_gradients_match_the_definition(lead, n, size, c_in, c
 
 def test_block_under_vmap_with_shared_parameters():
   """Shared kernel, scale and bias (in_axes None): their gradients sum over episodes."""
-  x = jax.random.normal(jax.random.key(0), (3, 4, 14, 14, 8))
-  kernel = 0.3 * jax.random.normal(jax.random.key(1), (3, 3, 8, 8))
+  x = normal(0, (3, 4, 14, 14, 8))
+  kernel = 0.3 * normal(1, (3, 3, 8, 8))
   scale, bias = jnp.linspace(0.5, 2.0, 8), jnp.linspace(-1.0, 1.0, 8)
   loss = lambda fn: lambda *a: jnp.sum(jnp.sin(jax.vmap(fn, (0, None, None, None))(*a)))
   got = jax.jit(jax.value_and_grad(loss(fused_block), (0, 1, 2, 3)))(x, kernel, scale, bias)
@@ -79,8 +79,8 @@ def test_block_under_vmap_with_shared_parameters():
 
 
 def test_conv_block_keeps_residuals_only_where_differentiated():
-  x = jax.random.normal(jax.random.key(0), (6, 14, 14, 8))
-  block = {'kernel': 0.3 * jax.random.normal(jax.random.key(1), (3, 3, 8, 8)),
+  x = normal(0, (6, 14, 14, 8))
+  block = {'kernel': 0.3 * normal(1, (3, 3, 8, 8)),
            'scale': jnp.linspace(0.5, 2.0, 8), 'bias': jnp.linspace(-1.0, 1.0, 8)}
   forward = lambda block: cnn_lib.conv_block(x, block, 'fused_cpu')
   forward_only = str(jax.make_jaxpr(forward)(block))
@@ -120,8 +120,8 @@ def test_auto_picks_the_kernel_on_cpu_except_for_second_order():
 
 def test_auto_falls_back_where_the_kernel_does_not_fit():
   """4 output channels: 'auto' runs patches, an explicit 'fused_cpu' says why not."""
-  x = jax.random.normal(jax.random.key(0), (2, 8, 8, 1))
-  block = {'kernel': jax.random.normal(jax.random.key(1), (3, 3, 1, 4)),
+  x = normal(0, (2, 8, 8, 1))
+  block = {'kernel': normal(1, (3, 3, 1, 4)),
            'scale': jnp.ones(4), 'bias': jnp.zeros(4)}
   np.testing.assert_array_equal(cnn_lib.conv_block(x, block, 'auto'),
                                 cnn_lib.conv_block(x, block, 'patches'))

@@ -10,7 +10,7 @@ import pytest
 from cht_jax.kernels.cpu import encoder as encoder_kernel
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import transformer
-from conftest import make_ht, tiny_config
+from conftest import make_ht, normal, tiny_config
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != 'cpu',
                                 reason='the fused_cpu kernels run on CPU hosts only')
@@ -27,7 +27,7 @@ def encoder_and_params(num_layers, length, width, activation='relu', **fractions
   encoder = transformer.Encoder(**{**DEFAULTS, **fractions, 'num_layers': num_layers,
                                    'num_heads': 2, 'activation': activation,
                                    'encoder_impl': 'xla'})
-  tokens = jax.random.normal(jax.random.key(length * width), (length, width))
+  tokens = normal(length * width, (length, width))
   return encoder, encoder.init(jax.random.key(0), tokens)['params'], tokens
 
 
@@ -58,7 +58,7 @@ def test_kernel_matches_the_definition(num_layers, length, width, activation, fr
 def test_kernel_under_vmap_shares_or_batches_the_parameters():
   encoder, params, _ = encoder_and_params(2, 28, 104)
   fused = apply(encoder.clone(encoder_impl='fused_cpu'))
-  tokens = jax.random.normal(jax.random.key(1), (3, 28, 104))
+  tokens = normal(1, (3, 28, 104))
   want = jax.vmap(lambda x: apply(encoder)(params, x))(tokens)
   shared = jax.jit(jax.vmap(lambda x: fused(params, x)))
   np.testing.assert_allclose(shared(tokens), want, rtol=1e-5, atol=1e-5, err_msg=MISMATCH)
@@ -83,7 +83,7 @@ def test_encoder_impl_changes_forward_passes_only():
 
 def test_generated_theta_matches_the_definition():
   ht = make_ht(num_ways=3, channels=(8, 8)).clone(encoder_impl='fused_cpu')
-  images = jax.random.uniform(jax.random.key(0), (6, 16, 16, 1))
+  images = jnp.asarray(np.random.default_rng(0).uniform(size=(6, 16, 16, 1)), jnp.float32)
   labels = jnp.array([0, 1, 2, 0, 1, 2])
   theta_prev = ht_lib.zeros_theta(ht.cnn, images.shape[1:])
   params = ht.init(jax.random.key(1), images, labels, theta_prev)['params']

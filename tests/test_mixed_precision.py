@@ -9,7 +9,7 @@ from cht_jax import config_validation
 from cht_jax import methods
 from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import ops
-from conftest import tiny_config
+from conftest import normal, tiny_config
 
 
 def _round_bf16(x):
@@ -21,8 +21,8 @@ def _round_bf16(x):
 def test_bfloat16_convs_are_float32_sums_of_rounded_operands(impl, stride, padding):
   """Every form rounds the operands to bfloat16 and sums their (exact) products in
   float32: the float32 convolution of the rounded operands, up to summation order."""
-  x = jax.random.normal(jax.random.key(0), (4, 14, 14, 8))
-  kernel = jax.random.normal(jax.random.key(1), (3, 3, 8, 8))
+  x = normal(0, (4, 14, 14, 8))
+  kernel = normal(1, (3, 3, 8, 8))
   got = ops.conv2d(x, kernel, stride, padding, impl, compute_dtype='bfloat16')
   assert got.dtype == jnp.float32
   rounded = ops.conv2d(_round_bf16(x), _round_bf16(kernel), stride, padding, 'lax')
@@ -39,8 +39,8 @@ def test_bfloat16_convs_are_float32_sums_of_rounded_operands(impl, stride, paddi
 
 def test_bfloat16_block_falls_back_from_the_float32_cpu_kernel():
   """'auto' runs the definition ('patches') where the kernel cannot take bfloat16."""
-  x = jax.random.normal(jax.random.key(0), (6, 16, 16, 8))
-  block = {'kernel': jax.random.normal(jax.random.key(1), (3, 3, 8, 8)),
+  x = normal(0, (6, 16, 16, 8))
+  block = {'kernel': normal(1, (3, 3, 8, 8)),
            'scale': jnp.full((8,), 1.5), 'bias': jnp.full((8,), 0.1)}
   auto = cnn_lib.conv_block(x, block, 'auto', 'bfloat16')
   patches = cnn_lib.conv_block(x, block, 'patches', 'bfloat16')

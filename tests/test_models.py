@@ -17,7 +17,7 @@ from cht_jax.models import features as features_lib
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import ops
 from cht_jax.models import transformer
-from conftest import make_ht, tiny_config
+from conftest import make_ht, normal, tiny_config
 
 
 @pytest.mark.parametrize('size, kernel_size, stride, padding', [
@@ -25,8 +25,8 @@ from conftest import make_ht, tiny_config
     (28, 3, 2, 'VALID'), (13, 3, 1, 'VALID'), (3, 3, 2, 'VALID'), (1, 1, 1, 'VALID'),
     (8, 2, 1, 'SAME')])
 def test_conv_impls_agree(size, kernel_size, stride, padding):
-  x = jax.random.normal(jax.random.key(0), (3, size, size, 5))
-  kernel = jax.random.normal(jax.random.key(1), (kernel_size, kernel_size, 5, 7))
+  x = normal(0, (3, size, size, 5))
+  kernel = normal(1, (kernel_size, kernel_size, 5, 7))
   patches = ops.conv2d(x, kernel, stride, padding, 'patches')
   reference = ops.conv2d(x, kernel, stride, padding, 'lax')
   assert patches.shape == reference.shape
@@ -60,8 +60,8 @@ def test_forward_with_gradient_of_runs_fast_alone_and_reference_under_differenti
 @pytest.mark.parametrize('stride, padding', [(2, 'SAME'), (1, 'VALID')])
 def test_fused_cpu_convs_run_lax_forward_and_the_patches_gradient(stride, padding):
   """The feature extractors' convs under conv_impl='fused_cpu' (CPU)."""
-  x = jax.random.normal(jax.random.key(0), (3, 9, 9, 5))
-  kernel = jax.random.normal(jax.random.key(1), (3, 3, 5, 7))
+  x = normal(0, (3, 9, 9, 5))
+  kernel = normal(1, (3, 3, 5, 7))
   conv = lambda impl: lambda x, k: ops.conv2d(x, k, stride, padding, impl)
   np.testing.assert_array_equal(jax.jit(conv('fused_cpu'))(x, kernel),
                                 jax.jit(conv('lax'))(x, kernel))
@@ -73,13 +73,13 @@ def test_fused_cpu_convs_run_lax_forward_and_the_patches_gradient(stride, paddin
 
 @pytest.mark.parametrize('size', [28, 7, 3, 1])
 def test_max_pool_matches_reduce_window(size):
-  x = jax.random.normal(jax.random.key(0), (2, size, size, 3))
+  x = normal(0, (2, size, size, 3))
   np.testing.assert_array_equal(cnn_lib.max_pool_2x2(x),
                                 nn.max_pool(x, (2, 2), (2, 2), 'VALID'))
 
 
 def test_batch_stat_norm_uses_the_batch_statistics():
-  x = 3.0 + 2.0 * jax.random.normal(jax.random.key(0), (16, 4, 4, 3))
+  x = 3.0 + 2.0 * normal(0, (16, 4, 4, 3))
   y = cnn_lib.batch_stat_norm(x, jnp.ones(3), jnp.zeros(3))
   np.testing.assert_allclose(y.mean(axis=(0, 1, 2)), 0.0, atol=1e-5)
   np.testing.assert_allclose(y.std(axis=(0, 1, 2)), 1.0, atol=1e-3)
@@ -128,7 +128,7 @@ def test_token_widths_for_the_omniglot_model(omniglot_ht):
 
 def test_generated_theta_is_exactly_the_cnn_params(omniglot_ht):
   ht, _ = omniglot_ht
-  support = jax.random.normal(jax.random.key(0), (20, 28, 28, 1))
+  support = normal(0, (20, 28, 28, 1))
   labels = jnp.arange(20)
   theta_prev = ht_lib.zeros_theta(ht.cnn, (28, 28, 1))
   params = ht.init(jax.random.key(1), support, labels, theta_prev)['params']
@@ -152,7 +152,7 @@ def test_attention_weights_are_sown_for_diagnostics():
   encoder = transformer.Encoder(num_layers=2, num_heads=2, query_key_fraction=1.0,
                                 value_fraction=1.0, inner_fraction=1.0, activation='relu',
                                 encoder_impl='xla')
-  tokens = jax.random.normal(jax.random.key(0), (7, 8))
+  tokens = normal(0, (7, 8))
   params = encoder.init(jax.random.key(1), tokens)['params']
   outputs, found = encoder.apply({'params': params}, tokens, mutable=['intermediates'])
   np.testing.assert_array_equal(outputs, encoder.apply({'params': params}, tokens))
@@ -168,8 +168,7 @@ def test_attention_weights_are_sown_for_diagnostics():
 
 @pytest.mark.parametrize('generate_bn', [False, True])
 def test_slices_round_trip(generate_bn):
-  key = jax.random.key(0)
-  block = {'kernel': jax.random.normal(key, (3, 3, 5, 7)),
+  block = {'kernel': normal(0, (3, 3, 5, 7)),
            'scale': jnp.arange(7.0), 'bias': -jnp.arange(7.0)}
   rows = ht_lib.block_to_slices(block, generate_bn)
   assert rows.shape == (7, 45 + 2 * generate_bn)
@@ -178,7 +177,7 @@ def test_slices_round_trip(generate_bn):
   back = ht_lib.slices_to_block(rows, (3, 3, 5, 7), generate_bn)
   for name, value in back.items():
     np.testing.assert_array_equal(value, block[name])
-  head = {'kernel': jax.random.normal(key, (8, 20)), 'bias': jnp.arange(20.0)}
+  head = {'kernel': normal(0, (8, 20)), 'bias': jnp.arange(20.0)}
   rows = ht_lib.head_to_slices(head)
   assert rows.shape == (20, 9)
   jax.tree.map(np.testing.assert_array_equal, ht_lib.slices_to_head(rows), head)

@@ -28,7 +28,7 @@ from cht_jax.data import pipeline
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import transformer as transformer_lib
 
-from conftest import REPO_ROOT, class_images, tiny_config
+from conftest import REPO_ROOT, class_images, normal, tiny_config
 
 UNLABELED = 2  # U, unlabeled images per class in these tests.
 
@@ -277,7 +277,7 @@ def test_unlabeled_tokens_differ_only_in_their_label_embedding(tiny_ht, tiny_par
 def test_unlabeled_images_change_theta_not_the_prototypes_definition(tiny_ht, tiny_params,
                                                                      tiny_episode):
   images, labels = tiny_episode['support_images'], tiny_episode['support_labels']
-  unlabeled = jax.random.normal(jax.random.key(7), (3, 4, *images.shape[2:]))
+  unlabeled = normal(7, (3, 4, *images.shape[2:]))
   thetas, prototypes = continual.generate_thetas(tiny_ht, tiny_params, images, labels,
                                                  unlabeled_images=unlabeled)
   plain, _ = continual.generate_thetas(tiny_ht, tiny_params, images, labels)

@@ -18,7 +18,7 @@ from cht_jax.methods import finetune
 from cht_jax.methods import maml
 from cht_jax.methods import sequential
 from cht_jax.models import cnn as cnn_lib
-from conftest import class_images
+from conftest import class_images, normal
 
 # A CNN without conv blocks is a linear softmax classifier: logits = flatten(x) W + b.
 LINEAR = cnn_lib.CNN(channels=(), embedding_dim=4)  # 2 tasks of 2 classes.
@@ -30,7 +30,7 @@ def small_theta(key=0):
 
 
 def small_task(key, num_tasks=3, ways=2, shots=2):
-  images = jax.random.normal(jax.random.key(key), (num_tasks, ways * shots, 4, 4, 1))
+  images = normal(key, (num_tasks, ways * shots, 4, 4, 1))
   labels = jnp.tile(jnp.repeat(jnp.arange(ways), shots), (num_tasks, 1))
   return images, labels
 

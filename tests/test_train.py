@@ -42,8 +42,8 @@ def test_a_few_steps_lower_the_loss():
 def test_looped_and_vmapped_episodes_give_the_same_gradient(tiny_ht, tiny_params):
   """`batch_grads` over 4 episodes: looped = vmapped, which is the gradient of the mean
   loss (grad of the mean of a vmap). Several devices: tests/test_parallel.py."""
-  episodes = jax.vmap(lambda k: make_episode(k, num_tasks=2))(
-      jax.random.split(jax.random.key(5), 4))
+  episodes = jax.tree.map(lambda *x: jnp.stack(x),
+                          *[make_episode(5 + i, num_tasks=2) for i in range(4)])
   loss_fn = lambda p, ep: continual.episode_loss(tiny_ht, p, ep, remat=False)
   grads, metrics = {}, {}
   for vectorize in (True, False):
