@@ -16,7 +16,12 @@ from conftest import REPO_ROOT
 from test_reliability import complete_steps, env, wait_for  # pylint: disable=unused-import
 
 LAUNCHER = os.path.join(REPO_ROOT, 'launch', 'local_multiprocess.py')
-TINY = ['--config=configs/omniglot_t2.py:tiny', '--config.train.episodes_per_step=2',
+# ConstPN, a method of the one trainer: what is tested here (the job's collectives, data,
+# checkpoints, signals, lost processes) is the same for every method, and process 1 compiles
+# every program afresh in each launch (only process 0 writes JAX's persistent cache, and on
+# CPU each process's cache key differs), so each launch pays a whole compile: ConstPN's is a
+# small fraction of CHT's. CHT's steps on several devices are test_parallel.py's.
+TINY = ['--config=configs/omniglot_constpn.py:2,tiny', '--config.train.episodes_per_step=2',
         '--config.train.eval_every_steps=0', '--config.train.log_every_steps=1',
         '--config.train.checkpoint_every_steps=2']
 
@@ -95,7 +100,7 @@ def start_then_lose(env, log_path, workdir, data_dir, process_id, after_step):
   """Starts the job again and SIGKILLs process `process_id` once two checkpoints past
   `after_step` are complete; the launcher would stop the survivor after 300 s, so it must
   stop by itself before. Returns the launcher's (exit status, log)."""
-  process = launch(env, log_path, workdir, data_dir, '--config.train.num_steps=500',
+  process = launch(env, log_path, workdir, data_dir, '--config.train.num_steps=100000',
                    '--heartbeat_timeout_seconds=10', grace_seconds=300)
   saved = lambda: len([s for s in complete_steps(workdir) if s > after_step]) >= 2
   assert wait_for(saved, process, timeout=300), finish(process, log_path)[1][-3000:]
@@ -118,7 +123,7 @@ def test_sigterm_then_a_lost_process_then_resume(tmp_path, prepared_omniglot, en
   loses process 0, the coordinator, and process 1 names it; the job restarted once more
   resumes from the latest complete checkpoint, nothing lost."""
   workdir, log_path = str(tmp_path / 'work'), str(tmp_path / 'work.log')
-  process = launch(env, log_path, workdir, prepared_omniglot, '--config.train.num_steps=500')
+  process = launch(env, log_path, workdir, prepared_omniglot, '--config.train.num_steps=100000')
   logged = lambda: os.path.exists(os.path.join(workdir, 'metrics.jsonl')) and len(
       train_rows(workdir)) >= 3
   assert wait_for(logged, process, timeout=300), finish(process, log_path)[1][-3000:]
