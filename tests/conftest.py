@@ -135,10 +135,10 @@ def tiny_params(tiny_ht, tiny_episode):
 # slowest file, of three tests, last). The slowest files go first, so that the two workers
 # end together; `methods` second, as it needs no Omniglot while the first file prepares it.
 # The order is by `--durations` per file; a file not named here runs after these.
-SLOWEST_FILES_FIRST = ('test_multiprocess.py', 'test_methods.py', 'test_reliability.py',
-                       'test_baselines.py', 'test_semisupervised.py', 'test_datasets.py',
-                       'test_evaluate.py', 'test_fused_cpu.py', 'test_parallel.py',
-                       'test_train.py', 'test_models.py', 'test_continual.py')
+SLOWEST_FILES_FIRST = ('test_reliability.py', 'test_methods.py', 'test_semisupervised.py',
+                       'test_baselines.py', 'test_datasets.py', 'test_evaluate.py',
+                       'test_parallel.py', 'test_multiprocess.py', 'test_train.py',
+                       'test_fused_cpu.py', 'test_models.py', 'test_continual.py')
 
 
 def pytest_collection_modifyitems(items):
@@ -154,7 +154,8 @@ def require_archives():
 
 @pytest.fixture(scope='session')
 def prepared_omniglot(tmp_path_factory):
-  """A TFDS data_dir with omniglot prepared from the real archives, once per run.
+  """A TFDS data_dir with omniglot prepared from the real archives, and its 16 x 16 images
+  cached (cht_jax_cache/), once per run.
 
   Under pytest-xdist the workers share it: the first prepares it, under a lock,
   in the run's base folder (the parent of each worker's own).
@@ -171,6 +172,9 @@ def prepared_omniglot(tmp_path_factory):
       data_dir.mkdir(exist_ok=True)
       start = time.time()
       omniglot.prepare_omniglot(str(data_dir), str(OMNIGLOT_ARCHIVES))
+      # The tiny configs' resized images too: every process that trains one reads this
+      # cache, and a job's processes would each build it at once.
+      omniglot.load_omniglot(str(data_dir), None, image_size=TINY['image_size'])
       (data_dir / '.prepared').touch()
       print(f'\nTFDS omniglot preparation: {time.time() - start:.1f} s')
   return str(data_dir)
