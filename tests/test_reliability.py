@@ -370,7 +370,7 @@ def test_a_loss_spike_rolls_back_and_lowers_the_learning_rate(tmp_path, monkeypa
 
   # Resumed, the run keeps the lower rate.
   train.train_and_evaluate(constpn_config(**{**settings, 'train.num_steps': 28,
-                                          'train.loss_spike_factor': 3.0}), workdir, dataset)
+                                             'train.loss_spike_factor': 3.0}), workdir, dataset)
   resumed = [row for row in metrics(workdir) if row['split'] == 'train' and row['step'] > 24]
   assert [row['train/learning_rate'] for row in resumed] == pytest.approx([5e-4, 5e-4], rel=1e-5)
 
@@ -387,8 +387,8 @@ def test_a_stop_at_a_loss_spike_keeps_the_rolled_back_state(tmp_path, monkeypatc
   monkeypatch.setattr(preemption.SignalFlag, 'stop_at', stop_at)
   workdir = str(tmp_path / 'work')
   config = constpn_config(**{'train.num_steps': 24, 'train.log_every_steps': 2,
-                          'train.checkpoint_every_steps': 4, 'train.keep_checkpoints': 10,
-                          'train.eval_every_steps': 0, 'train.loss_spike_factor': 3.0})
+                             'train.checkpoint_every_steps': 4, 'train.keep_checkpoints': 10,
+                             'train.eval_every_steps': 0, 'train.loss_spike_factor': 3.0})
   with pytest.raises(preemption.Preempted, match='Stopped by SIGTERM after step 12, '):
     train.train_and_evaluate(config, workdir, {'train': class_images(20),
                                                'validation': class_images(12, seed=1)})
@@ -401,8 +401,8 @@ def test_a_stop_at_a_loss_spike_keeps_the_rolled_back_state(tmp_path, monkeypatc
 def test_too_many_loss_spikes_stop_the_run(tmp_path, monkeypatch):
   monkeypatch.setattr(train, 'make_train_step', _spiking_steps(lambda step: step > 8))
   config = constpn_config(**{'train.num_steps': 20, 'train.log_every_steps': 2,
-                          'train.checkpoint_every_steps': 4, 'train.eval_every_steps': 0,
-                          'train.loss_spike_factor': 3.0})
+                             'train.checkpoint_every_steps': 4, 'train.eval_every_steps': 0,
+                             'train.loss_spike_factor': 3.0})
   with pytest.raises(divergence.DivergenceError, match=(
       r'Training collapsed at step 10: .* after 4 rollbacks \(train.loss_spike_factor\)\. '
       r'The last good checkpoint, step 8')):
@@ -418,9 +418,9 @@ def test_too_many_loss_spikes_stop_the_run(tmp_path, monkeypatch):
 def test_full_disk_during_save_keeps_the_earlier_checkpoints(tmp_path, prepared_omniglot, env,
                                                              reference):
   workdir = copy_of(reference, tmp_path)
-  # Writes past FULL fail, as on a full disk: the checkpoint's largest files pass it, the
-  # resumed run's log files stay below it (its metrics log is rewritten at the restart:
-  # the reference's every-step rows, but the last, are dropped first).
+  # Writes past `full` bytes fail, as on a full disk: the checkpoint's largest files pass
+  # it, the resumed run's log files stay below it (its metrics log is rewritten at the
+  # restart: the reference's every-step rows, but the last, are dropped first).
   full = 8 * 1024
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     last_row = f.readlines()[-1]
@@ -428,7 +428,7 @@ def test_full_disk_during_save_keeps_the_earlier_checkpoints(tmp_path, prepared_
     f.write(last_row)
   largest = max(os.path.getsize(p) for p in glob.glob(
       os.path.join(reference, 'checkpoints', '40', '**'), recursive=True) if os.path.isfile(p))
-  assert largest > full, f'No file of a checkpoint is over {full} bytes: raise it.'
+  assert largest > full, f'No file of a checkpoint is over {full} bytes: lower `full`.'
   rc, log = run(env, workdir, prepared_omniglot, *OVERRIDES, '--config.train.num_steps=44',
                 limit_file_size=full)
   assert rc == 1, log[-3000:]
