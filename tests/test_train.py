@@ -3,17 +3,15 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from cht_jax import continual
 from cht_jax import methods
 from cht_jax import optim
 from cht_jax import train
 from cht_jax.runtime import checkpoints
 from cht_jax.runtime import devices
-from conftest import class_images, make_episode, tiny_config
+from conftest import class_images, tiny_config
 
 
 def make_state(config, key=0):
@@ -37,23 +35,6 @@ def test_a_few_steps_lower_the_loss():
   assert int(state.step) == 25
   assert np.all(np.isfinite(losses))
   assert losses[-1] < 0.5 * losses[0], losses
-
-
-def test_looped_and_vmapped_episodes_give_the_same_gradient(tiny_ht, tiny_params):
-  """`batch_grads` over 4 episodes: looped = vmapped, which is the gradient of the mean
-  loss (grad of the mean of a vmap). Several devices: tests/test_parallel.py."""
-  episodes = jax.tree.map(lambda *x: jnp.stack(x),
-                          *[make_episode(5 + i, num_tasks=2) for i in range(4)])
-  loss_fn = lambda p, ep: continual.episode_loss(tiny_ht, p, ep, remat=False)
-  grads, metrics = {}, {}
-  for vectorize in (True, False):
-    grads[vectorize], metrics[vectorize] = jax.jit(lambda p: devices.batch_grads(
-        loss_fn, p, episodes, devices.data_mesh(1), vectorize))(tiny_params)
-  for name in ('loss', 'accuracy'):
-    np.testing.assert_allclose(metrics[True][name], metrics[False][name], rtol=1e-5)
-  difference = optax.tree.norm(jax.tree.map(jnp.subtract, grads[True], grads[False]))
-  assert float(difference) < 1e-4 * float(optax.tree.norm(grads[True]))  # float32 sums reordered.
-  assert float(optax.tree.norm(grads[True])) > 0
 
 
 @pytest.mark.parametrize('name', ['sgd', 'momentum', 'adam'])
