@@ -22,11 +22,14 @@ from cht_jax import continual
 from cht_jax import evaluate
 from cht_jax import losses
 from cht_jax import methods
+from cht_jax import optim
+from cht_jax import train
 from cht_jax.data import datasets
 from cht_jax.data import episodes
 from cht_jax.data import pipeline
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import transformer as transformer_lib
+from cht_jax.runtime import devices
 
 from conftest import REPO_ROOT, class_images, normal, tiny_config
 
@@ -72,7 +75,10 @@ M0_REFERENCE = {
 def _m0_numbers(config):
   """A training episode's loss and gradient, and an evaluation episode's accuracies."""
   method = methods.build(config)
-  params = method.init(jax.random.key(0))
+  # The trainer's compiled init (the same parameters as `method.init`, bit for bit): the
+  # program test_methods and test_train compile too, so a persistent-cache hit here.
+  params = train.make_init(method, optim.make_optimizer(config.optim),
+                           devices.data_mesh())(jax.random.key(0)).params
   images = jnp.asarray(class_images(num_classes=12, images_per_class=20, size=16))
   spec = datasets.episode_spec(config)
   batch = episodes.sample_episodes(jax.random.key(3), images, spec, 2, rotate=True)
