@@ -15,7 +15,6 @@ import tensorflow_datasets as tfds
 
 from cht_jax import config_validation
 from cht_jax import evaluate
-from cht_jax import methods
 from cht_jax import train
 from cht_jax.data import augment
 from cht_jax.data import datasets
@@ -511,27 +510,11 @@ def test_multidomain_config_to_domain_episodes_under_mock_data(tmp_path):
   assert (task_domains[:, 0, 0] != task_domains[:, 1, 0]).all()
 
 
-
-def test_multidomain_evaluation_draws_one_domain_per_task(tmp_path):
-  """The evaluation protocol loads the split's domain sizes too (task_classes='domain')."""
-  from configs import multidomain_t2  # pylint: disable=g-import-not-at-top
-  config = multidomain_t2.get_config('tiny')
-  config.data.domains = ('caltech101', 'cars196', 'stanford_dogs')
-  config.data.data_dir = str(tmp_path)
-  method = methods.build(config)
-  params = method.init(jax.random.key(0))
-  protocol = evaluate.default_protocol(config, num_episodes=2, num_query_draws=1,
-                                       queries_per_class=1, batch_size=2)
-  with tfds.testing.mock_data(as_dataset_fn=_fake_as_dataset, data_dir=str(tmp_path)):
-    results = evaluate.evaluate(config, params, protocol)
-  assert len(results['episode']['domain_sizes']) == 3
-  accuracy = results['table']['class_incremental']['mean']
-  assert len(accuracy) == 2 and all(0 <= a <= 1 for a in accuracy)
-
 @pytest.mark.parametrize('method', ['cht', 'constpn'])
 def test_multidomain_checkpoint_evaluates_as_mode_eval_does(tmp_path, method):
   """Section 5.3 end to end on mock data: train ConstPN or CHT on domain tasks, then
-  `evaluate_checkpoint` (what `--mode=eval` runs) scores the checkpoint on test domains.
+  `evaluate_checkpoint` (what `--mode=eval` runs) scores the checkpoint on test domains,
+  and for CHT `evaluate.evaluate` loads the test split itself.
 
   Only the loading runs under `mock_data` (it also redirects file paths, which Orbax's
   checkpoints must not see); the loaded dataset, domain sizes included, goes to both.
@@ -561,6 +544,17 @@ def test_multidomain_checkpoint_evaluates_as_mode_eval_does(tmp_path, method):
   accuracy = results['table']['class_incremental']['mean']
   assert len(accuracy) == 2 and all(0 <= a <= 1 for a in accuracy)
   assert os.path.basename(paths[0]) == f'test_T2_step{config.train.num_steps}.json'
+  if method == 'cht':
+    # The protocol without a dataset loads the split, and its domain sizes, itself
+    # (task_classes='domain'); the same compiled evaluation as above.
+    params, _ = evaluate.restore_params(workdir, config)
+    protocol = evaluate.default_protocol(config, num_episodes=2, num_query_draws=1,
+                                         queries_per_class=1, batch_size=2)
+    with tfds.testing.mock_data(as_dataset_fn=_fake_as_dataset, data_dir=config.data.data_dir):
+      loaded = evaluate.evaluate(config, params, protocol)
+    assert loaded['episode']['domain_sizes'] == results['episode']['domain_sizes']
+    accuracy = loaded['table']['class_incremental']['mean']
+    assert len(accuracy) == 2 and all(0 <= a <= 1 for a in accuracy)
 
 
 @pytest.mark.parametrize('module, overrides, message', [
