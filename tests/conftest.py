@@ -49,6 +49,7 @@ import tensorflow_datasets as tfds
 
 from cht_jax.data import omniglot
 from cht_jax.models import hypertransformer as ht_lib
+from cht_jax.runtime import devices
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Read from the shared folder beside the checkout, never copied into it.
@@ -97,6 +98,13 @@ def class_images(num_classes=12, images_per_class=20, size=16, seed=0):
   templates = rng.integers(0, 256, (num_classes, 1, size, size, 1))
   noise = rng.integers(-40, 40, (num_classes, images_per_class, size, size, 1))
   return np.clip(templates + noise, 0, 255).astype(np.uint8)
+
+
+def training_classes() -> jax.Array:
+  """test_methods' 20 training classes, put replicated on the data mesh as the trainer
+  puts them: a test stepping a tiny config on them runs the program test_methods
+  compiles for that config, which the persistent compilation cache holds."""
+  return jax.device_put(class_images(20), jax.NamedSharding(devices.data_mesh(), jax.P()))
 
 
 def normal(seed: int, shape: tuple[int, ...]) -> jax.Array:

@@ -51,8 +51,11 @@ def one_step(config, mesh, initial_state, images):
 
 
 def main():
-  cases = dict(reversed(case.split(':')) for case in sys.argv[1:])
-  cases = {vectorize: int(cases[vectorize]) for vectorize in VECTORIZE}
+  devices_of = {}  # 'loop' / 'vmap' -> number of devices, from the N:loop M:vmap arguments.
+  for case in sys.argv[1:]:
+    num_devices, vectorize = case.split(':')
+    devices_of[vectorize] = int(num_devices)
+  cases = {vectorize: devices_of[vectorize] for vectorize in VECTORIZE}  # Both, in order.
   assert jax.device_count() >= max(cases.values()), jax.devices()
   images = np.random.default_rng(0).integers(0, 256, (12, 20, 16, 16, 1), dtype=np.uint8)
   meshes = {n: data_mesh(n) for n in {*cases.values(), 1}}

@@ -23,7 +23,7 @@ from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.runtime import devices
 
-from conftest import REPO_ROOT, class_images, make_episode
+from conftest import REPO_ROOT, make_episode, training_classes
 
 sys.path.insert(0, str(REPO_ROOT / 'launch'))
 import sweep  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -37,10 +37,9 @@ def load_config(name, arg):
 
 @pytest.fixture(scope='module')
 def images():
-  # 20 classes: ConstPN's tiny training tasks are 5 x 3 = 15-way. test_methods' training
-  # classes, placed as the trainer places them: each method's tiny step is then the
-  # program test_methods compiles, which the persistent compilation cache holds.
-  return jax.device_put(class_images(20), jax.NamedSharding(devices.data_mesh(), jax.P()))
+  # 20 classes: ConstPN's tiny training tasks are 5 x 3 = 15-way; test_methods' ones, so
+  # that each method's tiny step and init are cache hits.
+  return training_classes()
 
 
 def train_and_evaluate(config, images, steps=3):

@@ -535,9 +535,10 @@ def test_multidomain_checkpoint_evaluates_as_mode_eval_does(tmp_path, method):
       train.train_and_evaluate(config, str(tmp_path / 'too_many_ways'), dataset)
     config.constpn_ways_multiplier = 3
   train.train_and_evaluate(config, workdir, dataset)
-  results, paths = evaluate.evaluate_checkpoint(
-      config, workdir, plot=False, dataset=dataset, num_episodes=4, num_query_draws=1,
-      queries_per_class=1, batch_size=2)
+  protocol_overrides = dict(num_episodes=4, num_query_draws=1, queries_per_class=1,
+                            batch_size=2)
+  results, paths = evaluate.evaluate_checkpoint(config, workdir, plot=False, dataset=dataset,
+                                                **protocol_overrides)
   assert results['step'] == config.train.num_steps
   assert tuple(results['episode']['domain_sizes']) == tuple(dataset['domain_sizes']['test'])
   assert len(results['episode']['domain_sizes']) == 3  # The test split's three domains.
@@ -546,10 +547,9 @@ def test_multidomain_checkpoint_evaluates_as_mode_eval_does(tmp_path, method):
   assert os.path.basename(paths[0]) == f'test_T2_step{config.train.num_steps}.json'
   if method == 'cht':
     # The protocol without a dataset loads the split, and its domain sizes, itself
-    # (task_classes='domain'); the same compiled evaluation as above.
+    # (task_classes='domain'); the same protocol, so the same compiled evaluation.
     params, _ = evaluate.restore_params(workdir, config)
-    protocol = evaluate.default_protocol(config, num_episodes=2, num_query_draws=1,
-                                         queries_per_class=1, batch_size=2)
+    protocol = evaluate.default_protocol(config, **protocol_overrides)
     with tfds.testing.mock_data(as_dataset_fn=_fake_as_dataset, data_dir=config.data.data_dir):
       loaded = evaluate.evaluate(config, params, protocol)
     assert loaded['episode']['domain_sizes'] == results['episode']['domain_sizes']

@@ -11,7 +11,7 @@ from cht_jax import optim
 from cht_jax import train
 from cht_jax.runtime import checkpoints
 from cht_jax.runtime import devices
-from conftest import class_images, tiny_config
+from conftest import tiny_config, training_classes
 
 
 def make_state(config, key=0):
@@ -26,9 +26,7 @@ def test_a_few_steps_lower_the_loss():
   ht, optimizer, state = make_state(config)
   mesh = devices.data_mesh()
   step_fn = train.make_train_step(ht, optimizer, mesh)
-  # The trainer's step on test_methods' training classes, placed as the trainer places
-  # them: the same program, which the persistent compilation cache then holds.
-  images = jax.device_put(class_images(20), jax.NamedSharding(mesh, jax.P()))
+  images = training_classes()  # test_methods' step for this config: a cache hit.
   key = jax.random.key(3)  # The same episodes every step: the loss must fall.
   losses = []
   for _ in range(25):
