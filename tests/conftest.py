@@ -131,11 +131,19 @@ def tiny_episode():
   return make_episode(1)
 
 
+def init_params(ht: ht_lib.HyperTransformer, episode: dict):
+  """`ht`'s parameters from key 0, initialised on `episode`'s first task with theta = 0
+  (the first task's theta_prev): returns (params, theta). Tests that build the same
+  config and episode this way compile the same init."""
+  theta = ht_lib.zeros_theta(ht.cnn, episode['support_images'].shape[2:])
+  params = ht.init(jax.random.key(0), episode['support_images'][0],
+                   episode['support_labels'][0], theta)['params']
+  return params, theta
+
+
 @pytest.fixture(scope='session')
 def tiny_params(tiny_ht, tiny_episode):
-  theta = ht_lib.zeros_theta(tiny_ht.cnn, tiny_episode['support_images'].shape[2:])
-  return tiny_ht.init(jax.random.key(0), tiny_episode['support_images'][0],
-                      tiny_episode['support_labels'][0], theta)['params']
+  return init_params(tiny_ht, tiny_episode)[0]
 
 
 # pytest-xdist (pyproject's addopts) hands each worker one test file at a time, in collection

@@ -9,7 +9,7 @@ from cht_jax import continual
 from cht_jax import losses
 from cht_jax import models
 from cht_jax.models import hypertransformer as ht_lib
-from conftest import tiny_config
+from conftest import init_params, tiny_config
 
 
 def reference_loss(ht, params, episode, loss):
@@ -48,9 +48,7 @@ def test_gradients_with_and_without_remat_agree(tiny_episode):
   # gradient are the program test_fused_cpu and test_mixed_precision compile too, which
   # the persistent compilation cache then holds.
   ht = models.build_hypertransformer(tiny_config(**{'model.conv_impl': 'patches'}))
-  theta = ht_lib.zeros_theta(ht.cnn, tiny_episode['support_images'].shape[2:])
-  params = ht.init(jax.random.key(0), tiny_episode['support_images'][0],
-                   tiny_episode['support_labels'][0], theta)['params']
+  params, _ = init_params(ht, tiny_episode)
   grad = lambda remat: jax.jit(jax.value_and_grad(
       lambda p: continual.episode_loss(ht, p, tiny_episode, remat=remat)[0]))(params)[1]
   with_remat, without = grad(True), grad(False)

@@ -15,9 +15,8 @@ from cht_jax import continual
 from cht_jax import models
 from cht_jax.kernels.cpu import library
 from cht_jax.models import cnn as cnn_lib
-from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import ops
-from conftest import normal, override, tiny_config
+from conftest import init_params, normal, override, tiny_config
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != 'cpu',
                                 reason='the fused_cpu kernels run on CPU hosts only')
@@ -97,9 +96,7 @@ def test_a_training_loss_and_its_gradient_match_the_definition(tiny_episode):
     config = tiny_config(**{'model.conv_impl': impl})
     ht = models.build_hypertransformer(config)
     assert ht.conv_impl == impl
-    theta = ht_lib.zeros_theta(ht.cnn, tiny_episode['support_images'].shape[2:])
-    params = ht.init(jax.random.key(0), tiny_episode['support_images'][0],
-                     tiny_episode['support_labels'][0], theta)['params']
+    params, _ = init_params(ht, tiny_episode)
     loss = lambda p: continual.episode_loss(ht, p, tiny_episode, remat=False)[0]
     results[impl] = jax.jit(jax.value_and_grad(loss))(params)
   (loss_p, grads_p), (loss_f, grads_f) = results['patches'], results['fused_cpu']

@@ -10,15 +10,12 @@ from cht_jax import continual
 from cht_jax import models
 from cht_jax import optim
 from cht_jax.models import hypertransformer as ht_lib
-from conftest import make_episode, override, tiny_config
+from conftest import init_params, make_episode, override, tiny_config
 
 
 def _init(config, episode):
   ht = models.build_hypertransformer(config)
-  theta = ht_lib.zeros_theta(ht.cnn, episode['support_images'].shape[2:])
-  params = ht.init(jax.random.key(0), episode['support_images'][0],
-                   episode['support_labels'][0], theta)['params']
-  return ht, params, theta
+  return ht, *init_params(ht, episode)
 
 
 def test_head_scale_multiplies_the_generated_head_and_nothing_else(tiny_episode):
