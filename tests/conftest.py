@@ -34,12 +34,9 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
 # Most of the suite's time is XLA:CPU compiling hundreds of small kernels; LLVM's
 # expensive optimisation passes speed those kernels up, not the tests, and change
 # no number (they may not reassociate floating point). Subprocesses inherit it.
-# Splitting each program's LLVM module in two for code generation also takes less CPU
-# time in all (docs/performance.md); the golden-number tests pass unchanged with it.
-for _flag in ('--xla_llvm_disable_expensive_passes=true',
-              '--xla_cpu_parallel_codegen_split_count=2'):
-  if _flag.split('=')[0] not in os.environ.get('XLA_FLAGS', ''):
-    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _flag).strip()
+if '--xla_llvm_disable_expensive_passes' not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             ' --xla_llvm_disable_expensive_passes=true').strip()
 # On a GPU host the suite runs several JAX processes at once (workers, subprocesses):
 # none may take most of the memory up front, as JAX does by default.
 os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
