@@ -1,13 +1,12 @@
 """Semi-supervised episodes: unlabeled support images for CHT and HT (issue 20).
 
 The sampler, the host pipeline, the tokens, the prototypes, the evaluation
-protocol, the library API, config validation, and `python -m cht_jax.main`.
+protocol, the library API, config validation, and training and evaluation end to end.
 """
 
+import functools
 import json
 import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -31,7 +30,7 @@ from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.models import transformer as transformer_lib
 from cht_jax.runtime import devices
 
-from conftest import REPO_ROOT, class_images, normal, tiny_config
+from conftest import class_images, normal, tiny_config
 
 UNLABELED = 2  # U, unlabeled images per class in these tests.
 
@@ -191,7 +190,7 @@ def test_evaluation_draws_queries_around_one_unlabeled_set():
 def test_protocol_scores_every_draw_with_thetas_of_the_unlabeled_set():
   config = tiny_config(**{'episode.unlabeled_per_class': UNLABELED})
   method = methods.build(config)
-  params = method.init(jax.random.key(0))
+  params = jax.jit(method.init)(jax.random.key(0))
   protocol = evaluate.default_protocol(config, num_episodes=2, num_query_draws=3,
                                        batch_size=2, num_tasks=2)
   images = class_images(num_classes=12, images_per_class=20, size=16)
@@ -199,21 +198,25 @@ def test_protocol_scores_every_draw_with_thetas_of_the_unlabeled_set():
   # Episode 0 by hand: thetas generated once from its support and unlabeled
   # sets, each draw scored with them, then the mean over draws.
   spec = evaluate.evaluation_spec(config, protocol)
-  episode = episodes.sample_evaluation_episode(
-      jax.random.fold_in(jax.random.key(protocol.seed), 0), jnp.asarray(images), spec, 3)
+  episode = jax.jit(lambda key, images: episodes.sample_evaluation_episode(key, images, spec, 3))(
+      jax.random.fold_in(jax.random.key(protocol.seed), 0), jnp.asarray(images))
   pairs = continual.TaskPairs.lower_triangle(2)
-  thetas, prototypes = method.thetas_and_prototypes(
+  thetas_and_prototypes = jax.jit(method.thetas_and_prototypes)
+  thetas, prototypes = thetas_and_prototypes(
       params, episode['support_images'], episode['support_labels'],
       unlabeled_images=episode['unlabeled_images'])
-  per_draw = []
-  for draw in episode['query_images']:
+
+  @jax.jit
+  def draw_accuracies(draw):
     embeddings = continual.embed_queries(method.cnn, thetas, draw, pairs, remat=False)
-    per_draw.append(continual.pair_losses('class_incremental', embeddings,
-                                          episode['query_labels'], prototypes, pairs)[1])
+    return continual.pair_losses('class_incremental', embeddings, episode['query_labels'],
+                                 prototypes, pairs)[1]
+
+  per_draw = [draw_accuracies(draw) for draw in episode['query_images']]
   np.testing.assert_allclose(result['class_incremental'][0][pairs.t, pairs.tau],
                              np.mean(per_draw, axis=0), atol=1e-6)
-  without, _ = method.thetas_and_prototypes(params, episode['support_images'],
-                                            episode['support_labels'])
+  without, _ = thetas_and_prototypes(params, episode['support_images'],
+                                     episode['support_labels'])
   assert not np.allclose(thetas['head']['kernel'], without['head']['kernel'])
 
 
@@ -250,10 +253,13 @@ def _encoder_inputs(ht, params, images, labels, unlabeled):
       tokens.append(args[0])
     return next_fun(*args, **kwargs)
 
-  with nn.intercept_methods(record):
-    ht.apply({'params': params}, images, labels,
-             ht_lib.zeros_theta(ht.cnn, images.shape[1:]), unlabeled_images=unlabeled)
-  return tokens
+  def forward(params, images, labels, unlabeled):
+    with nn.intercept_methods(record):
+      ht.apply({'params': params}, images, labels,
+               ht_lib.zeros_theta(ht.cnn, images.shape[1:]), unlabeled_images=unlabeled)
+    return tokens
+
+  return jax.jit(forward)(params, images, labels, unlabeled)  # One program, not op by op.
 
 
 def test_unlabeled_tokens_differ_only_in_their_label_embedding(tiny_ht, tiny_params,
@@ -284,22 +290,22 @@ def test_unlabeled_images_change_theta_not_the_prototypes_definition(tiny_ht, ti
                                                                      tiny_episode):
   images, labels = tiny_episode['support_images'], tiny_episode['support_labels']
   unlabeled = normal(7, (3, 4, *images.shape[2:]))
-  thetas, prototypes = continual.generate_thetas(tiny_ht, tiny_params, images, labels,
-                                                 unlabeled_images=unlabeled)
-  plain, _ = continual.generate_thetas(tiny_ht, tiny_params, images, labels)
+  generate = jax.jit(functools.partial(continual.generate_thetas, tiny_ht))
+  thetas, prototypes = generate(tiny_params, images, labels, unlabeled_images=unlabeled)
+  plain, _ = generate(tiny_params, images, labels)
   for name in thetas:  # Every generated layer of every task (scale, bias: trained).
     assert not np.any(np.isclose(thetas[name]['kernel'], plain[name]['kernel']).all(
         axis=tuple(range(1, thetas[name]['kernel'].ndim))))
   # Prototypes: class means of the labelled images alone, embedded as one batch by theta_t.
+  embed = jax.jit(lambda theta, images: tiny_ht.cnn.apply({'params': theta}, images))
   for t in range(3):
-    theta = jax.tree.map(lambda leaf: leaf[t], thetas)
-    embeddings = tiny_ht.cnn.apply({'params': theta}, images[t])
+    embeddings = embed(jax.tree.map(lambda leaf: leaf[t], thetas), images[t])
     np.testing.assert_allclose(prototypes[t], losses.class_prototypes(
         embeddings, labels[t], tiny_ht.num_ways), rtol=1e-5, atol=1e-5)
   # The transformer reads them: the loss has a gradient with respect to them.
   episode = {**tiny_episode, 'unlabeled_images': unlabeled}
-  grad = jax.grad(lambda u: continual.episode_loss(
-      tiny_ht, tiny_params, {**episode, 'unlabeled_images': u}, remat=False)[0])(unlabeled)
+  grad = jax.jit(jax.grad(lambda u: continual.episode_loss(
+      tiny_ht, tiny_params, {**episode, 'unlabeled_images': u}, remat=False)[0]))(unlabeled)
   assert float(jnp.abs(grad).sum()) > 0
 
 
@@ -361,24 +367,22 @@ def test_config_validation_of_unlabeled_per_class(overrides, expected):
 # --------------------------------------------------------------------------
 
 
-def run_main(workdir, data_dir, *flags):
-  command = [sys.executable, '-m', 'cht_jax.main',
-             f'--config=configs/omniglot_semisupervised.py:{UNLABELED},2,tiny',
-             f'--workdir={workdir}', f'--config.data.data_dir={data_dir}', *flags]
-  result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-
-
-def test_main_trains_and_evaluates_with_unlabeled_images(tmp_path, prepared_omniglot):
+def test_trains_and_evaluates_with_unlabeled_images(tmp_path, prepared_omniglot):
+  """What `python -m cht_jax.main` runs in either mode, on real Omniglot, in this process
+  (test_main and test_evaluate run main itself): a fresh process would trace and compile
+  the whole semi-supervised program again."""
+  from configs import omniglot_semisupervised  # pylint: disable=g-import-not-at-top
+  config = omniglot_semisupervised.get_config(f'{UNLABELED},2,tiny')
+  config.data.data_dir = prepared_omniglot
+  config = config_validation.validate(config)
   workdir = str(tmp_path / 'semi')
-  run_main(workdir, prepared_omniglot)
+  train.train_and_evaluate(config, workdir)
   assert sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))) == [2, 4]
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f]
   assert all(np.isfinite(r['train/loss']) for r in rows if r['split'] == 'train')
   assert any(r['split'] == 'validation' for r in rows)
-  run_main(workdir, prepared_omniglot, '--mode=eval', '--eval_episodes=2',
-           '--eval_query_draws=2')
+  evaluate.evaluate_checkpoint(config, workdir, num_episodes=2, num_query_draws=2)
   with open(os.path.join(workdir, 'eval', 'test_T2_step4.json')) as f:
     saved = json.load(f)
   assert saved['episode']['unlabeled_per_class'] == UNLABELED
