@@ -120,9 +120,10 @@ def run(config, ways: int = 5, planes: int = 3, steps: int = 1500, batch: int = 
                             image_size=image_size, planes=planes)
   key_init, key_cnn, key_train, key_eval = jax.random.split(jax.random.key(seed), 4)
   support0 = tasks(key_init, 1)[0][0]
-  ht_params = ht.init(key_init, support0, jnp.arange(ways),
-                      ht_lib.zeros_theta(cnn, support0.shape[1:]))['params']
-  cnn_params = cnn.init(key_cnn, support0)['params']
+  # Jitted, here and below: one program each, not an XLA program per operation.
+  ht_params = jax.jit(ht.init)(key_init, support0, jnp.arange(ways),
+                               ht_lib.zeros_theta(cnn, support0.shape[1:]))['params']
+  cnn_params = jax.jit(cnn.init)(key_cnn, support0)['params']
 
   def ht_loss(params, support, queries, query_labels):
     theta = generate(ht, params, support, ways)
@@ -147,22 +148,26 @@ def run(config, ways: int = 5, planes: int = 3, steps: int = 1500, batch: int = 
                                            jax.random.split(key_train, steps))
     return params, loss_curve
 
-  ht_params, ht_curve = train(ht_loss, ht_params)
-  cnn_params, cnn_curve = train(cnn_loss, cnn_params)
+  ht_params, ht_curve = jax.jit(functools.partial(train, ht_loss))(ht_params)
+  cnn_params, cnn_curve = jax.jit(functools.partial(train, cnn_loss))(cnn_params)
 
-  support, queries, query_labels, relevant = tasks(key_eval, eval_tasks)
-  own_thetas = jax.vmap(lambda s: generate(ht, ht_params, s, ways))(support)
-  # Task i with the CNN written from task i+1's support set; keep the pairs whose relevant
-  # planes differ, where a written CNN must fail if it reads the relevant plane alone.
-  swapped_thetas = jax.tree.map(lambda x: jnp.roll(x, -1, axis=0), own_thetas)
-  accuracy = lambda thetas: np.asarray(jax.vmap(
-      lambda theta, s, q, l: prototype_loss(cnn, theta, s, q, l)[1].mean())(
-          thetas, support, queries, query_labels))
-  other_plane = np.asarray(relevant != jnp.roll(relevant, -1))
-  fixed = jax.tree.map(lambda x: jnp.broadcast_to(x, (eval_tasks,) + x.shape), cnn_params)
-  scores = {'hypertransformer': accuracy(own_thetas),
-            'hypertransformer_swapped': accuracy(swapped_thetas)[other_plane],
-            'fixed_cnn': accuracy(fixed)}
+  @jax.jit
+  def task_accuracies(ht_params, cnn_params):
+    support, queries, query_labels, relevant = tasks(key_eval, eval_tasks)
+    own_thetas = jax.vmap(lambda s: generate(ht, ht_params, s, ways))(support)
+    # Task i with the CNN written from task i+1's support set; keep the pairs whose relevant
+    # planes differ, where a written CNN must fail if it reads the relevant plane alone.
+    swapped_thetas = jax.tree.map(lambda x: jnp.roll(x, -1, axis=0), own_thetas)
+    accuracy = lambda thetas: jax.vmap(
+        lambda theta, s, q, l: prototype_loss(cnn, theta, s, q, l)[1].mean())(
+            thetas, support, queries, query_labels)
+    fixed = jax.tree.map(lambda x: jnp.broadcast_to(x, (eval_tasks,) + x.shape), cnn_params)
+    return (accuracy(own_thetas), accuracy(swapped_thetas), accuracy(fixed),
+            relevant != jnp.roll(relevant, -1))
+
+  own, swapped, fixed, other_plane = map(np.asarray, task_accuracies(ht_params, cnn_params))
+  scores = {'hypertransformer': own, 'hypertransformer_swapped': swapped[other_plane],
+            'fixed_cnn': fixed}
   ci95 = lambda x: float(1.96 * np.std(x) / np.sqrt(len(x)))
   result = {name: {'mean': float(np.mean(v)), 'ci95': ci95(v)} for name, v in scores.items()}
   result['chance'] = 1.0 / ways

@@ -176,17 +176,18 @@ def test_merged_ht_one_theta_and_merged_prototypes():
   assert merged.ht.num_ways == 2 * config.episode.ways
   params = merged.init(jax.random.key(0))
   episode = make_episode(3, num_tasks=2, ways=3, shots=1)
-  thetas, prototypes = merged.thetas_and_prototypes(
+  thetas, prototypes = jax.jit(merged.thetas_and_prototypes)(
       params, episode['support_images'], episode['support_labels'])
   jax.tree.map(lambda x: np.testing.assert_array_equal(x[0], x[1]), thetas)
   images, labels = merged_ht.merge_tasks(episode['support_images'], episode['support_labels'], 3)
   theta = jax.tree.map(lambda x: x[0], thetas)
-  expected = losses.class_prototypes(merged.cnn.apply({'params': theta}, images), labels, 6)
+  embed = jax.jit(lambda images: merged.cnn.apply({'params': theta}, images))
+  expected = losses.class_prototypes(embed(images), labels, 6)
   np.testing.assert_allclose(prototypes.reshape(6, -1), expected, rtol=1e-5, atol=1e-6)
   # The training loss: every task's queries over all K*T classes, under theta_{T-1}.
-  loss, metrics = merged.episode_loss(params, episode, 'class_incremental', remat=False)
-  query_embeddings = jax.vmap(lambda x: merged.cnn.apply({'params': theta}, x))(
-      episode['query_images'])
+  loss, metrics = jax.jit(lambda p: merged.episode_loss(p, episode, 'class_incremental',
+                                                        remat=False))(params)
+  query_embeddings = jax.vmap(embed)(episode['query_images'])
   terms = [losses.cross_entropy_and_accuracy(
       losses.negative_squared_distances(query_embeddings[tau], expected),
       episode['query_labels'][tau] + 3 * tau)[0] for tau in range(2)]
@@ -215,14 +216,16 @@ def test_cross_entropy_arm_trains_and_scores_with_the_head(images):
   # Reference: the head's argmax of theta_t on the queries of tau, for one episode.
   spec = evaluate.evaluation_spec(config, evaluate.default_protocol(config))
   from cht_jax.data import episodes  # pylint: disable=g-import-not-at-top
-  episode = episodes.sample_evaluation_episode(jax.random.key(5), images, spec, 1)
+  # Each piece jitted: one program each, not one per operation.
+  episode = jax.jit(lambda key: episodes.sample_evaluation_episode(key, images, spec, 1))(
+      jax.random.key(5))
   pairs = continual.TaskPairs.lower_triangle(2)
-  task_inc, _ = method.episode_accuracies(state.params, episode, pairs)
-  thetas, _ = method.thetas_and_prototypes(
+  task_inc, _ = jax.jit(lambda p: method.episode_accuracies(p, episode, pairs))(state.params)
+  thetas, _ = jax.jit(method.thetas_and_prototypes)(
       state.params, episode['support_images'], episode['support_labels'])
+  head = jax.jit(lambda theta, images: method.cnn.apply({'params': theta}, images))
   for p, (t, tau) in enumerate(zip(pairs.t, pairs.tau)):
-    theta = jax.tree.map(lambda x: x[t], thetas)
-    logits = method.cnn.apply({'params': theta}, episode['query_images'][0, tau])
+    logits = head(jax.tree.map(lambda x: x[t], thetas), episode['query_images'][0, tau])
     expected = np.mean(np.argmax(logits, -1) == episode['query_labels'][tau])
     np.testing.assert_allclose(task_inc[p], expected, atol=1e-6)
   assert results['table']['task_incremental']['mean'][0] is not None

@@ -52,9 +52,10 @@ def test_block_forward_and_gradients_match_the_definition(lead, n, size, c_in, c
   for _ in lead:  # One batched call (vmap's 'broadcast_all'), each episode its own statistics.
     fused, expected = jax.vmap(fused), jax.vmap(expected)
   forward_only = jax.jit(fused)(x, kernel, scale, bias)
-  got = jax.jit(lambda *a: jax.vjp(fused, *a[:4])[1](a[4]) + (fused(*a[:4]),))(
-      x, kernel, scale, bias, d_out)
-  want = jax.vjp(expected, x, kernel, scale, bias)[1](d_out) + (expected(x, kernel, scale, bias),)
+  # The gradients and the output, each side one compiled program.
+  vjp_and_output = lambda fn: jax.jit(lambda *a: jax.vjp(fn, *a[:4])[1](a[4]) + (fn(*a[:4]),))
+  got = vjp_and_output(fused)(x, kernel, scale, bias, d_out)
+  want = vjp_and_output(expected)(x, kernel, scale, bias, d_out)
   for a, b in zip(got, want):
     assert a.shape == b.shape
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()),
@@ -71,7 +72,7 @@ def test_block_under_vmap_with_shared_parameters():
   scale, bias = jnp.linspace(0.5, 2.0, 8), jnp.linspace(-1.0, 1.0, 8)
   loss = lambda fn: lambda *a: jnp.sum(jnp.sin(jax.vmap(fn, (0, None, None, None))(*a)))
   got = jax.jit(jax.value_and_grad(loss(fused_block), (0, 1, 2, 3)))(x, kernel, scale, bias)
-  want = jax.value_and_grad(loss(definition_block), (0, 1, 2, 3))(x, kernel, scale, bias)
+  want = jax.jit(jax.value_and_grad(loss(definition_block), (0, 1, 2, 3)))(x, kernel, scale, bias)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()),
                                err_msg=MISMATCH)
@@ -135,12 +136,24 @@ def test_a_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_the_build_is_cached(tmp_path, monkeypatch):
-  monkeypatch.setenv('CHT_JAX_KERNEL_CACHE', str(tmp_path))
+  # The compiler: one that counts its calls and writes the library the suite has built
+  # (every fused test compiles the real sources), so the cache's logic runs in no time.
+  real = library.build()
+  compiler = tmp_path / 'cxx'
+  compiler.write_text('#!/bin/sh\n'
+                      f'echo called >> {tmp_path / "calls"}\n'
+                      'while [ "$#" -gt 2 ]; do shift; done\n'  # Leaves -o <output>.
+                      f'cp {real} "$2"\n')
+  compiler.chmod(0o755)
+  monkeypatch.setenv('CXX', str(compiler))
+  monkeypatch.setenv('CHT_JAX_KERNEL_CACHE', str(tmp_path / 'cache'))
   built = library.build()
-  assert built.parent == tmp_path and built.exists()
+  assert built.parent == tmp_path / 'cache' and built.read_bytes() == real.read_bytes()
   modified = built.stat().st_mtime_ns
   assert library.build() == built
   assert built.stat().st_mtime_ns == modified
+  assert (tmp_path / 'calls').read_text() == 'called\n'  # Once: the second build is a hit.
+  assert [p.name for p in (tmp_path / 'cache').iterdir()] == [built.name]  # No temporaries.
 
 
 def test_configs_default_to_auto_and_validation_names_the_field():

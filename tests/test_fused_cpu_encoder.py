@@ -86,7 +86,7 @@ def test_generated_theta_matches_the_definition():
   images = jnp.asarray(np.random.default_rng(0).uniform(size=(6, 16, 16, 1)), jnp.float32)
   labels = jnp.array([0, 1, 2, 0, 1, 2])
   theta_prev = ht_lib.zeros_theta(ht.cnn, images.shape[1:])
-  params = ht.init(jax.random.key(1), images, labels, theta_prev)['params']
+  params = jax.jit(ht.init)(jax.random.key(1), images, labels, theta_prev)['params']
   generate = lambda module: jax.jit(lambda p: module.apply({'params': p}, images, labels,
                                                            theta_prev))
   got = generate(ht)(params)

@@ -59,7 +59,7 @@ def test_bfloat16_episode_loss_and_gradient_follow_float32(tiny_episode):
         tiny_config(**{'model.compute_dtype': dtype, 'model.conv_impl': 'patches'}),
         num_devices=1)
     method = methods.build(config)
-    params = method.init(jax.random.key(0))
+    params = jax.jit(method.init)(jax.random.key(0))
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
     results[dtype] = jax.jit(jax.value_and_grad(
         lambda p, m=method: m.episode_loss(p, tiny_episode, 'class_incremental',
