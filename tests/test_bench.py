@@ -5,18 +5,21 @@ import numpy as np
 
 from cht_jax.tools import bench
 from cht_jax.tools import profiling
-from conftest import tiny_config
+from conftest import tiny_config, training_classes
 
 
 def test_bench_config_reports_every_field():
+  # The tiny config's own batch on test_methods' training classes, placed as the trainer
+  # places them: the training step test_methods[cht] compiles, a persistent-cache hit.
   config = tiny_config()
-  images = jnp.asarray(np.random.default_rng(0).integers(0, 256, (12, 20, 16, 16, 1), np.uint8))
-  row = bench.bench_config(config, 2, images, min_seconds=0.0, matmul_rate=100.0)
-  assert row['num_tasks'] == 2 and row['episodes_per_step'] == 2
+  batch = config.train.episodes_per_step
+  images = training_classes()
+  row = bench.bench_config(config, batch, images, min_seconds=0.0, matmul_rate=100.0)
+  assert row['num_tasks'] == 2 and row['episodes_per_step'] == batch
   for field in ('compile_s', 'steps_per_s', 'step_gflops', 'forward_episodes_per_s',
                 'sampling_episodes_per_s', 'peak_memory_bytes'):
     assert row[field] > 0, field
-  np.testing.assert_allclose(row['episodes_per_s'], 2 * row['steps_per_s'])
+  np.testing.assert_allclose(row['episodes_per_s'], batch * row['steps_per_s'])
   latency = bench.generation_latency(config, images, min_seconds=0.0)
   assert latency['calls'] >= 3
   assert 0 < latency['median'] <= latency['p90'] and latency['mean'] > 0
@@ -27,10 +30,9 @@ def test_bench_config_reports_every_field():
 def test_bench_profile_names_kernels_and_the_model_code_behind_them(tmp_path):
   """--profile_steps: per-kernel device times of the step, the trace and the HLO kept."""
   config = tiny_config()
-  images = jnp.asarray(np.random.default_rng(0).integers(0, 256, (12, 20, 16, 16, 1), np.uint8))
-  row = bench.bench_config(config, 2, images, min_seconds=0.0, matmul_rate=100.0,
-                           extras=False, count_flops=False, profile_steps=2,
-                           trace_dir=str(tmp_path / 'trace'))
+  row = bench.bench_config(config, config.train.episodes_per_step, training_classes(),
+                           min_seconds=0.0, matmul_rate=100.0, extras=False,
+                           count_flops=False, profile_steps=2, trace_dir=str(tmp_path / 'trace'))
   assert np.isnan(row['forward_episodes_per_s']) and row['steps_per_s'] > 0
   profile = row['profile']
   assert profile['device_ms_per_call'] > 0 and profile['ops_per_call'] > 10

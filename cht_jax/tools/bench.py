@@ -106,6 +106,12 @@ def _peak_memory_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _sample_episode(key, class_images, spec) -> dict:
+  """One episode without augmentation, as one compiled program (not one per operation)."""
+  return jax.jit(lambda k, images: episodes_lib.sample_episode(k, images, spec, rotate=False))(
+      key, class_images)
+
+
 def episode_flops(config, ht, params, episode) -> float:
   """XLA-counted FLOPs of one episode's loss and gradient, vmapped and unrolled (cost analysis
   counts a loop body once), without remat: the step's own work, whatever it recomputes."""
@@ -134,7 +140,7 @@ def bench_config(config, batch_size: int, class_images, min_seconds: float,
   compiled = step.lower(state, class_images, key).compile()
   compile_seconds = time.perf_counter() - start
   spec = datasets.episode_spec(config)
-  episode = episodes_lib.sample_episode(key, class_images, spec, rotate=False)
+  episode = _sample_episode(key, class_images, spec)
   flops_cache = {} if flops_cache is None else flops_cache
   num_tasks = config.episode.num_tasks
   if num_tasks not in flops_cache:
@@ -187,11 +193,11 @@ def generation_latency(config, class_images, min_seconds: float) -> dict[str, fl
   parameters as arguments (as in training)."""
   ht = models.build_hypertransformer(config)
   spec = datasets.episode_spec(config)
-  episode = episodes_lib.sample_episode(jax.random.key(0), class_images, spec, rotate=False)
+  episode = _sample_episode(jax.random.key(0), class_images, spec)
   support_images = episode['support_images'][0]
   support_labels = episode['support_labels'][0]
   theta = models.hypertransformer.zeros_theta(ht.cnn, support_images.shape[1:])
-  params = ht.init(jax.random.key(0), support_images, support_labels, theta)['params']
+  params = jax.jit(ht.init)(jax.random.key(0), support_images, support_labels, theta)['params']
   compiled_in = api.compile_generator(ht, params)
   as_arguments = jax.jit(functools.partial(continual.generate_task, ht))
   theta, _ = compiled_in(support_images, support_labels, theta)
