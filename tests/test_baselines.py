@@ -287,11 +287,13 @@ def test_sweep_slurm_script_and_print(tmp_path, capsys):
 
 
 def test_sweep_end_to_end_one_tiny_run(tmp_path, prepared_omniglot):
-  """Trains and evaluates CHT (tiny, 2 steps) through main, then the table. One run
+  """Trains and evaluates ConstPN (tiny, 2 steps) through main, then the table. One run
   proves the launcher: a table of several runs is tested on fake results above, and
-  ConstPN's training and evaluation in test_methods."""
+  each method's training and evaluation in test_methods. ConstPN: its config takes an
+  argument (T), which the launcher joins to the variant, and its processes compile in a
+  fraction of CHT's time."""
   command = [sys.executable, 'launch/sweep.py', '--sweep=baselines', '--variant=tiny',
-             '--only=cht', f'--root={tmp_path}',
+             '--only=constpn', f'--root={tmp_path}',
              f'--override=--config.data.data_dir={prepared_omniglot}',
              '--override=--config.train.num_steps=2', '--override=--config.train.eval_every_steps=0',
              '--eval_flag=--eval_episodes=2', '--eval_flag=--eval_query_draws=1',
@@ -299,7 +301,7 @@ def test_sweep_end_to_end_one_tiny_run(tmp_path, prepared_omniglot):
   result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   table = json.load(open(tmp_path / 'sweep_baselines.json'))
-  assert [(r['run'], r['method'], r['step']) for r in table] == [('cht', 'CHT', 2)]
+  assert [(r['run'], r['method'], r['step']) for r in table] == [('constpn', 'ConstPN', 2)]
   assert (tmp_path / 'sweep_baselines.md').exists()
   assert (tmp_path / 'sweep_baselines_omniglot.png').exists()
 

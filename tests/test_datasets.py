@@ -482,6 +482,7 @@ def test_training_steps_through_the_host_pipeline(tmp_path):
   config.data.data_dir = str(tmp_path / 'tfds')
   config.data.manual_dir = write_pickled_release(str(tmp_path / 'manual'))
   config.train.eval_every_steps = 0  # The evaluation step is the device path's (tested there).
+  config.model.num_blocks = 2  # The pipeline, not the depth, is tested: a faster compile.
   metrics = train.train_and_evaluate(config, str(tmp_path / 'workdir'))
   assert np.isfinite(metrics['loss']) and metrics['skipped_steps'] == 0
   assert sorted(os.listdir(tmp_path / 'workdir' / 'checkpoints')) == ['3']
@@ -522,6 +523,7 @@ def test_multidomain_checkpoint_evaluates_as_mode_eval_does(tmp_path, method):
   from configs import multidomain_t2  # pylint: disable=g-import-not-at-top
   config = multidomain_t2.get_config('tiny')
   config.method = method
+  config.model.num_blocks = 2  # The protocol, not the depth, is tested: a faster compile.
   config.data.domains = ('caltech101', 'cars196', 'stanford_dogs')
   config.data.data_dir = str(tmp_path / 'tfds')
   with tfds.testing.mock_data(as_dataset_fn=_fake_as_dataset, data_dir=config.data.data_dir):
