@@ -92,6 +92,13 @@ def tiny_config(**overrides):
   return override(omniglot_t2.get_config('tiny'), overrides)  # T=2, 3-way 1-shot, 16x16.
 
 
+def shallow_config(**overrides):
+  """tiny_config with two conv blocks, not four: for tests whose assertions do not depend
+  on the depth (it compiles in a fraction of the time). The whole-loss tests of
+  test_fused_cpu, test_continual and test_mixed_precision share its programs."""
+  return tiny_config(**{'model.num_blocks': 2, **overrides})
+
+
 def class_images(num_classes=12, images_per_class=20, size=16, seed=0):
   """uint8 [C, M, H, W, 1]: a random template per class plus per-image noise."""
   rng = np.random.default_rng(seed)

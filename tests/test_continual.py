@@ -9,7 +9,7 @@ from cht_jax import continual
 from cht_jax import losses
 from cht_jax import models
 from cht_jax.models import hypertransformer as ht_lib
-from conftest import init_params, tiny_config
+from conftest import init_params, shallow_config, tiny_config
 
 
 def reference_loss(ht, params, episode, loss):
@@ -44,10 +44,10 @@ def test_scan_loss_equals_python_loop(tiny_ht, tiny_params, tiny_episode, loss):
 
 
 def test_gradients_with_and_without_remat_agree(tiny_episode):
-  # tiny_config's model with the definition's convolutions: the remat=False loss and
+  # shallow_config's model with the definition's convolutions: the remat=False loss and
   # gradient are the program test_fused_cpu and test_mixed_precision compile too, which
   # the persistent compilation cache then holds.
-  ht = models.build_hypertransformer(tiny_config(**{'model.conv_impl': 'patches'}))
+  ht = models.build_hypertransformer(shallow_config(**{'model.conv_impl': 'patches'}))
   params, _ = init_params(ht, tiny_episode)
   grad = lambda remat: jax.jit(jax.value_and_grad(
       lambda p: continual.episode_loss(ht, p, tiny_episode, remat=remat)[0]))(params)[1]

@@ -16,7 +16,7 @@ from cht_jax import models
 from cht_jax.kernels.cpu import library
 from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import ops
-from conftest import init_params, normal, override, tiny_config
+from conftest import init_params, normal, override, shallow_config, tiny_config
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != 'cpu',
                                 reason='the fused_cpu kernels run on CPU hosts only')
@@ -94,7 +94,7 @@ def test_a_training_loss_and_its_gradient_match_the_definition(tiny_episode):
   """The whole CHT loss (generation through the fused blocks, T(T+1)/2 query passes)."""
   results = {}
   for impl in ('patches', 'fused_cpu'):
-    config = tiny_config(**{'model.conv_impl': impl})
+    config = shallow_config(**{'model.conv_impl': impl})
     ht = models.build_hypertransformer(config)
     assert ht.conv_impl == impl
     params, _ = init_params(ht, tiny_episode)

@@ -9,7 +9,7 @@ from cht_jax import config_validation
 from cht_jax import methods
 from cht_jax.models import cnn as cnn_lib
 from cht_jax.models import ops
-from conftest import normal, tiny_config
+from conftest import normal, shallow_config, tiny_config
 
 
 def _round_bf16(x):
@@ -56,7 +56,7 @@ def test_bfloat16_episode_loss_and_gradient_follow_float32(tiny_episode):
   results = {}
   for dtype in ('float32', 'bfloat16'):
     config = config_validation.validate(
-        tiny_config(**{'model.compute_dtype': dtype, 'model.conv_impl': 'patches'}),
+        shallow_config(**{'model.compute_dtype': dtype, 'model.conv_impl': 'patches'}),
         num_devices=1)
     method = methods.build(config)
     params = jax.jit(method.init)(jax.random.key(0))
