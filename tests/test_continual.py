@@ -9,7 +9,7 @@ from cht_jax import continual
 from cht_jax import losses
 from cht_jax import models
 from cht_jax.models import hypertransformer as ht_lib
-from conftest import init_params, shallow_config, tiny_config
+from conftest import init_params, shallow_config
 
 
 def reference_loss(ht, params, episode, loss):
