@@ -89,7 +89,7 @@ def test_trained_layers_are_parameters_the_same_for_every_task(tiny_episode, tra
   def loss(params):  # Gradients reach the trained layers through the CNN.
     theta_t = ht.apply({'params': params}, images, labels, theta)
     return jnp.sum(ht.cnn.apply({'params': theta_t}, images) ** 2)
-  grads = jax.grad(loss)(params)
+  grads = jax.jit(jax.grad(loss))(params)
   for layer in trained:
     assert float(jnp.abs(grads[f'{layer}_kernel']).max()) > 0
 
