@@ -138,26 +138,25 @@ def tiny_episode():
   return make_episode(1)
 
 
-def init_params(ht: ht_lib.HyperTransformer, episode: dict):
+def init_params(ht: ht_lib.HyperTransformer, episode: dict, jit: bool = False):
   """`ht`'s parameters from key 0, initialised on `episode`'s first task with theta = 0
   (the first task's theta_prev): returns (params, theta). Tests that build the same
-  config and episode this way compile the same init."""
+  config and episode this way compile the same init.
+
+  Eager by default: tests that initialise several configs op by op reuse those small
+  programs from one config to the next, which a jitted init (one program per config)
+  would not. `jit` compiles it as one program, faster for a single config."""
   theta = ht_lib.zeros_theta(ht.cnn, episode['support_images'].shape[2:])
-  params = ht.init(jax.random.key(0), episode['support_images'][0],
-                   episode['support_labels'][0], theta)['params']
+  init = lambda key, images, labels, theta: ht.init(key, images, labels, theta)
+  params = (jax.jit(init) if jit else init)(
+      jax.random.key(0), episode['support_images'][0], episode['support_labels'][0],
+      theta)['params']
   return params, theta
 
 
 @pytest.fixture(scope='session')
 def tiny_params(tiny_ht, tiny_episode):
-  # Jitted: an eager `init` compiles a program per operation, twice the time of one
-  # program here. (Not in `init_params`: tests that initialise several configs op by op
-  # reuse those small programs from one config to the next, which jit would not.)
-  ht, episode = tiny_ht, tiny_episode
-  theta = ht_lib.zeros_theta(ht.cnn, episode['support_images'].shape[2:])
-  return jax.jit(lambda key, images, labels, theta: ht.init(key, images, labels, theta))(
-      jax.random.key(0), episode['support_images'][0], episode['support_labels'][0],
-      theta)['params']
+  return init_params(tiny_ht, tiny_episode, jit=True)[0]  # One config: jitted is faster.
 
 
 # pytest-xdist (pyproject's addopts) hands each worker one test file at a time, in collection
