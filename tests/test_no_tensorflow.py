@@ -29,7 +29,7 @@ def test_launcher_trains_and_evaluates_without_tensorflow(tmp_path):
   # Every Python process of the run (the launcher and the two it starts) sees these
   # packages as missing, as on a GPU image without them.
   (block / 'sitecustomize.py').write_text(
-      "import sys\nfor name in ('tensorflow', 'tensorflow_datasets', 'clu'):\n"
+      "import sys\nfor name in ('tensorflow', 'tensorflow_datasets'):\n"
       "  sys.modules[name] = None\n")
   # CHT_COMMIT: the commit to record where the tree was copied without its history.
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(block), REPO]),

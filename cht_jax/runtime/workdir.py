@@ -137,17 +137,11 @@ class MetricsLog:
   def _create_writer(self, workdir: str):
     if not self._is_main:
       return _NoEventsWriter()
-    try:  # Imported here: clu's writers pull in TensorFlow, which a GPU image may lack.
-      from clu import metric_writers  # pylint: disable=g-import-not-at-top
-      return metric_writers.create_default_writer(workdir)
-    except ImportError as e:
-      clu_missing = e
     try:
       return _EventFileWriter(workdir)
-    except ImportError:
-      logging.log_first_n(logging.WARNING, 'TensorBoard event files are not written (%s; and '
-                          'no `tensorboard` package): metrics.jsonl has every row.', 1,
-                          clu_missing)
+    except ImportError as e:
+      logging.log_first_n(logging.WARNING, 'TensorBoard event files are not written (%s): '
+                          'metrics.jsonl has every row.', 1, e)
       return _NoEventsWriter()
 
   def write(self, step: int, split: str, metrics: dict[str, float]):
@@ -222,24 +216,31 @@ class _NoEventsWriter:
 
 
 class _EventFileWriter(_NoEventsWriter):
-  """Scalars to a TensorBoard event file with the `tensorboard` package alone (clu's
-  writer needs TensorFlow, which JAX GPU images often lack). Same tags and steps."""
+  """Scalars to a TensorBoard event file, written with the `tensorboard` package's record
+  format alone. Not its `EventFileWriter` (nor clu's writer): they import TensorFlow where
+  it is installed, seconds at every start, and JAX GPU images often lack it."""
 
   def __init__(self, workdir: str):
     # pylint: disable=g-import-not-at-top
     from tensorboard.compat.proto import event_pb2
     from tensorboard.compat.proto import summary_pb2
-    from tensorboard.summary.writer import event_file_writer
+    from tensorboard.summary.writer import record_writer
     # pylint: enable=g-import-not-at-top
     self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
-    self._writer = event_file_writer.EventFileWriter(workdir)
+    # TensorBoard's own file name: events.out.tfevents.<time>.<host>.<pid>.<n>.
+    name = f'events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0'
+    self._writer = record_writer.RecordWriter(open(os.path.join(workdir, name), 'wb'))
+    self._add(event_pb2.Event(wall_time=time.time(), file_version='brain.Event:2'))
+
+  def _add(self, event):
+    self._writer.write(event.SerializeToString())
+    self._writer.flush()  # Visible to TensorBoard at once: one write per logged step.
 
   def write_scalars(self, step, scalars):
     summary = self._summary_pb2.Summary(value=[
         self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value))
         for tag, value in scalars.items()])
-    self._writer.add_event(self._event_pb2.Event(step=int(step), wall_time=time.time(),
-                                                 summary=summary))
+    self._add(self._event_pb2.Event(step=int(step), wall_time=time.time(), summary=summary))
 
   def flush(self):
     self._writer.flush()
