@@ -12,6 +12,7 @@ flip of one argmax is the tolerance there.
 
 import atexit
 import fcntl
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -31,12 +32,18 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   os.environ['JAX_COMPILATION_CACHE_DIR'] = _XLA_CACHE
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
-# Most of the suite's time is XLA:CPU compiling hundreds of small kernels; LLVM's
-# expensive optimisation passes speed those kernels up, not the tests, and change
-# no number (they may not reassociate floating point). Subprocesses inherit it.
-if '--xla_llvm_disable_expensive_passes' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             ' --xla_llvm_disable_expensive_passes=true').strip()
+# Most of the suite's time is XLA:CPU compiling hundreds of small kernels, each run a few
+# times. So LLVM optimises them least (docs/performance.md, "The test suite's time"): the
+# same HLO programs, their kernels slower, their float32 results different from a default
+# build's at rounding level only, as between two CPUs, which the tolerances allow (above).
+# Where a GPU or TPU plugin is installed the suite runs there, compiled as usual.
+# Subprocesses inherit the flags.
+_XLA_TEST_FLAGS = ['--xla_llvm_disable_expensive_passes=true']
+if not (importlib.util.find_spec('jax_plugins') or importlib.util.find_spec('libtpu')):
+  _XLA_TEST_FLAGS.append('--xla_backend_optimization_level=0')
+for _flag in _XLA_TEST_FLAGS:
+  if _flag.split('=')[0] not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 # On a GPU host the suite runs several JAX processes at once (workers, subprocesses):
 # none may take most of the memory up front, as JAX does by default.
 os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
