@@ -33,7 +33,9 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.data.image_size = 28
   config.data.rotate = True  # Per-class rotation by multiples of 90 degrees in training.
   config.data.images_per_class = 20  # Omniglot has 20.
-  config.data.binarize = False  # Omniglot: binary pixels as HT's cache (tf/core/train_lib.py).
+  # Omniglot's pixels binarised, as the original HT's NumPy cache held them
+  # (hypertransformer/tf/core/train_lib.py, `_load_cache`); the paper does not say.
+  config.data.binarize = True
   config.data.check_class_counts = True  # Only for tiered_imagenet.
   config.data.domains = ('omniglot',)  # Only for multidomain.
   config.data.domain_split = (0.7, 0.15, 0.15)  # Only for multidomain.
@@ -52,7 +54,10 @@ def get_config(num_tasks: int, learning_rate: float, variant: str | None = None)
   config.episode.queries_per_class = 3  # 60 queries per 20-way task, as the original HT.
   config.episode.task_classes = 'disjoint'  # or 'same' (mini-batch), 'domain' (multidomain).
   config.episode.unlabeled_per_class = 0  # Semi-supervised (CHT only); 0 = the paper's.
-  config.episode.independent_draws = False  # Supports, queries drawn apart as HT's datasets.py.
+  # Support and queries drawn independently, so a query may be the support image, as the
+  # original HT's training episodes (tf/core/datasets.py, `_make_semisupervised_samples`);
+  # the paper does not say. Evaluation's default sampler is the stricter one (--eval_sampler).
+  config.episode.independent_draws = True
 
   config.model = ml_collections.ConfigDict()
   config.model.channels = 8

@@ -17,7 +17,4 @@ def get_config(arg=None):
       variant=variant)
   config.loss = 'cross_entropy'
   config.model.cnn_embedding_dim = config.episode.get_ref('ways')
-  # HT's data conventions, off as in every paper config (--eval_sampler=original for HT's).
-  config.episode.independent_draws = False
-  config.data.binarize = False
   return config

@@ -27,6 +27,8 @@ def apply_arm(config, arm: str):
   config.episode.num_tasks = num_tasks
   config.episode.shots = shots
   config.episode.task_classes = 'same'
+  # New images in every task (a batch repeats none of another's): no original code to follow.
+  config.episode.independent_draws = False
   config.loss = 'cross_entropy'
   config.model.cnn_embedding_dim = config.episode.get_ref('ways')
   return config

@@ -22,6 +22,7 @@ def get_config(num_tasks: int, learning_rate: float = 5e-6, variant: str | None 
   data.image_size = 84
   data.rotate = False
   data.images_per_class = 60  # Per validation / test class, kept in memory.
+  data.binarize = False  # Omniglot's only.
   data.check_class_counts = True  # Insist on 351 / 97 / 160 classes.
   data.augment.flip = True
   data.augment.hue = 0.05  # Up to 18 degrees of hue rotation.

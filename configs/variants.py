@@ -36,6 +36,9 @@ def fast(config: ml_collections.ConfigDict, num_steps: int, episodes_per_step: i
   config.train.loss_spike_factor = 1.1  # Healthy rises < it < collapses (docs/results.md, 11).
   config.model.trained_layers = 2  # Blocks 0-1 trained, not written (docs/results.md, 12-13).
   config.model.learned_base = 0.1  # Else 16 channels do not learn (docs/results.md, 13).
+  # The data conventions its results were measured with, not the original HT's (README).
+  config.episode.independent_draws = False
+  config.data.binarize = False
   optim = config.optim
   optim.name = 'adam'
   optim.learning_rate = learning_rate

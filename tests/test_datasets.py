@@ -570,8 +570,11 @@ def test_multidomain_checkpoint_evaluates_as_mode_eval_does(tmp_path, method):
      "domain 1 has only 4 classes in the 'validation' split of data.domains="),
     ('tiered_imagenet_t2', {'data.augment.crop_min_scale': 0.0}, 'must be a number in (0, 1]'),
     ('tiered_imagenet_t2', {'data.augment.hue': 0.6}, 'must be a number in [0, 0.5]'),
-    ('tiered_imagenet_t2', {'data.images_per_class': 20}, '5 + 20 = 25 images per class, but '
-     'data.images_per_class = 20'),
+    ('tiered_imagenet_t2', {'data.images_per_class': 19}, 'max(episode.shots, '
+     'episode.queries_per_class) = 20 distinct images per class (episode.independent_draws: '
+     'support and queries each drawn without replacement), but data.images_per_class = 19'),
+    ('tiered_imagenet_t2', {'data.images_per_class': 20, 'episode.independent_draws': False},
+     '5 + 20 = 25 images per class, but data.images_per_class = 20'),
     ('tiered_imagenet_t5', {'episode.ways': 100}, "the 'validation' split of"),
 ])
 def test_new_config_mistakes_are_named(module, overrides, message):

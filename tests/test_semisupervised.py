@@ -337,8 +337,16 @@ def test_api_learns_a_task_with_unlabeled_images():
 
 
 @pytest.mark.parametrize('overrides, expected', [
-    ({'episode.unlabeled_per_class': 16}, None),  # 1 + 3 + 16 = 20 images: fits.
-    ({'episode.unlabeled_per_class': 17},
+    # The original's draws (the default): the support set with its unlabeled images, and
+    # the queries, each drawn from the class's 20 images.
+    ({'episode.unlabeled_per_class': 19}, None),  # max(1 + 19, 3) = 20 images: fits.
+    ({'episode.unlabeled_per_class': 20},
+     r'max\(episode\.shots \+ episode\.unlabeled_per_class, episode\.queries_per_class\) = '
+     r'21 distinct images per class \(episode\.independent_draws: .*\), but Omniglot has 20 '
+     r'per class'),
+    # Distinct draws: all of them distinct.
+    ({'episode.unlabeled_per_class': 16, 'episode.independent_draws': False}, None),
+    ({'episode.unlabeled_per_class': 17, 'episode.independent_draws': False},
      r'episode\.shots \+ episode\.queries_per_class \+ episode\.unlabeled_per_class = '
      r'1 \+ 3 \+ 17 = 21 images per class, but Omniglot has 20 per class'),
     ({'episode.unlabeled_per_class': -1}, r'episode\.unlabeled_per_class = -1: must be an '
