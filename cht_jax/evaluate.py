@@ -61,11 +61,16 @@ class Protocol:
   seed: int = DEFAULT_SEED
   batch_size: int = 8
   sampler: str = 'strict'
+  # Pairs of tasks for `run_specificity` (at most num_episodes); 0: not measured.
+  specificity_pairs: int = 256
 
   def __post_init__(self):
     for name in ('num_tasks', 'queries_per_class', 'num_episodes', 'num_query_draws', 'batch_size'):
       if getattr(self, name) < 1:
         raise EvaluationError(f'Evaluation {name} must be >= 1, got {getattr(self, name)}.')
+    if self.specificity_pairs < 0:
+      raise EvaluationError('Evaluation specificity_pairs must be >= 0, got '
+                            f'{self.specificity_pairs}.')
     if self.split not in ('train', 'validation', 'test'):
       raise EvaluationError(f"Evaluation split must be 'train', 'validation' or 'test', "
                             f'got {self.split!r}.')
@@ -121,20 +126,27 @@ def warn_if_evaluation_cannot_run(config: ml_collections.ConfigDict) -> list[str
 @functools.lru_cache(maxsize=8)
 def make_evaluate_batch(method: methods.Method, spec: episodes_lib.EpisodeSpec,
                         num_query_draws: int, vectorize: bool | None = None,
-                        mesh: jax.sharding.Mesh | None = None):
-  """jit(fn)(params, class_images, key, indices [B]) -> (task_inc, class_inc) [B, P], cached.
+                        mesh: jax.sharding.Mesh | None = None, measure: str = 'accuracies'):
+  """jit(fn)(params, class_images, key, indices [B]) -> per-episode outputs [B, ...], cached.
   Episode i is drawn from fold_in(key, i), whatever the batch size, devices and model; B is
-  split over `mesh` (None: all devices); `vectorize` (None: by backend) vmaps, else loops."""
+  split over `mesh` (None: all devices); `vectorize` (None: by backend) vmaps, else loops.
+  `measure`: 'accuracies' ((task_inc, class_inc) [B, P]) or 'specificity' ((own, swapped)
+  [B] and theta_a, leaves [B, ...]; `EpisodicMethod.task_specificity`)."""
   pairs = continual.TaskPairs.lower_triangle(spec.num_tasks)
   if vectorize is None:
     vectorize = continual.default_vectorize()
   mesh = mesh or devices.data_mesh()
+  if measure == 'accuracies':
+    measure_episode = lambda params, episode: method.episode_accuracies(
+        params, episode, pairs, vectorize)
+  else:
+    measure_episode = lambda params, episode: method.task_specificity(params, episode, vectorize)
 
   def evaluate_shard(params, class_images, key, indices):
     def one(index):
       episode = episodes_lib.sample_evaluation_episode(
           jax.random.fold_in(key, index), class_images, spec, num_query_draws)
-      return method.episode_accuracies(params, episode, pairs, vectorize)
+      return measure_episode(params, episode)
     return jax.lax.map(one, indices, batch_size=len(indices) if vectorize else None)
 
   replicated, batch = jax.P(), jax.P('data')
@@ -143,32 +155,30 @@ def make_evaluate_batch(method: methods.Method, spec: episodes_lib.EpisodeSpec,
       out_specs=batch, check_vma=False))
 
 
-def run_protocol(method: methods.Method, params, class_images, protocol: Protocol,
-                 spec: episodes_lib.EpisodeSpec | None = None,
-                 vectorize: bool | None = None) -> dict[str, Any]:
-  """The protocol in batches of episodes on uint8 `class_images` [C, M, H, W, D] (`spec`: from
-  `evaluation_spec`, None: the config's): 'task_incremental', 'class_incremental' float64
-  [E, T, T] per-episode accuracies (NaN above the diagonal), and 'timing'."""
-  spec = spec or evaluation_spec(method.config, protocol)
-  evaluate_batch = make_evaluate_batch(method, spec, protocol.num_query_draws, vectorize)
-  num_shards = jax.device_count()
+def _check_spec(spec: episodes_lib.EpisodeSpec, class_images, split: str) -> None:
   try:
     episodes_lib.validate_spec(spec, np.shape(class_images))
   except ValueError as e:
     raise EvaluationError(
-        f'Cannot draw {protocol.split} episodes of {spec.num_tasks} tasks with '
+        f'Cannot draw {split} episodes of {spec.num_tasks} tasks with '
         f'{spec.queries_per_class} queries per class: {e} Lower --eval_tasks or '
-        '--eval_queries_per_class' + ('.' if protocol.split == 'test' else
+        '--eval_queries_per_class' + ('.' if split == 'test' else
                                       ', or use --eval_split=test (more classes).')) from None
+
+
+def map_episodes(evaluate_batch, params, class_images, protocol: Protocol,
+                 num_episodes: int, what: str = 'episodes') -> tuple[Any, dict[str, Any]]:
+  """(outputs of episodes 0..num_episodes-1 of `protocol`'s seed, leaves [E, ...]; timing):
+  `evaluate_batch` from `make_evaluate_batch`, run in batches of `protocol.batch_size`."""
+  num_shards = jax.device_count()
   class_images = jnp.asarray(class_images)
   # Uncommitted copies: restored parameters sit on one device, the batch may span several.
   params = jax.tree.map(jnp.asarray, jax.device_get(params))
   key = jax.random.key(protocol.seed)
   # Whole multiples of the device count, at most what is needed.
-  num = protocol.num_episodes
+  num = num_episodes
   size = num_shards * math.ceil(min(protocol.batch_size, num) / num_shards)
   num_batches = math.ceil(num / size)
-  pairs = continual.TaskPairs.lower_triangle(spec.num_tasks)
   outputs = []
   start = time.perf_counter()
   first_seconds = None
@@ -181,20 +191,79 @@ def run_protocol(method: methods.Method, params, class_images, protocol: Protoco
     done = min((b + 1) * size, num)
     if b == num_batches - 1 or (b + 1) % max(1, num_batches // 10) == 0:
       elapsed = time.perf_counter() - start
-      logging.info('Evaluated %d/%d episodes, %.1f s, %.2f episodes/s.', done, num,
+      logging.info('Evaluated %d/%d %s, %.1f s, %.2f episodes/s.', done, num, what,
                    elapsed, done / elapsed)
   total = time.perf_counter() - start
   steady = (num_batches - 1) * size
   rate = steady / (total - first_seconds) if steady else num / total
-  result = {'timing': {'seconds': total, 'first_batch_seconds': first_seconds,
-                       'episodes_per_second': rate,
-                       'device': f'{num_shards} x {jax.devices()[0].device_kind}'}}
-  for i, name in enumerate(('task_incremental', 'class_incremental')):
-    per_pair = np.concatenate([o[i] for o in outputs])[:num].astype(np.float64)
-    matrix = np.full((num, spec.num_tasks, spec.num_tasks), np.nan)
-    matrix[:, pairs.t, pairs.tau] = per_pair
+  timing = {'seconds': total, 'first_batch_seconds': first_seconds,
+            'episodes_per_second': rate, 'device': f'{num_shards} x {jax.devices()[0].device_kind}'}
+  stacked = jax.tree.map(lambda *batches: np.concatenate(batches)[:num], *outputs)
+  return stacked, timing
+
+
+def run_protocol(method: methods.Method, params, class_images, protocol: Protocol,
+                 spec: episodes_lib.EpisodeSpec | None = None,
+                 vectorize: bool | None = None) -> dict[str, Any]:
+  """The protocol in batches of episodes on uint8 `class_images` [C, M, H, W, D] (`spec`: from
+  `evaluation_spec`, None: the config's): 'task_incremental', 'class_incremental' float64
+  [E, T, T] per-episode accuracies (NaN above the diagonal), and 'timing'."""
+  spec = spec or evaluation_spec(method.config, protocol)
+  _check_spec(spec, class_images, protocol.split)
+  evaluate_batch = make_evaluate_batch(method, spec, protocol.num_query_draws, vectorize)
+  outputs, timing = map_episodes(evaluate_batch, params, class_images, protocol,
+                                 protocol.num_episodes)
+  pairs = continual.TaskPairs.lower_triangle(spec.num_tasks)
+  result = {'timing': timing}
+  for name, per_pair in zip(('task_incremental', 'class_incremental'), outputs):
+    matrix = np.full((protocol.num_episodes, spec.num_tasks, spec.num_tasks), np.nan)
+    matrix[:, pairs.t, pairs.tau] = per_pair.astype(np.float64)
     result[name] = matrix
   return result
+
+
+def measures_specificity(method: methods.Method) -> bool:
+  """Whether `method` writes its CNN from a support set (the episodic methods)."""
+  return hasattr(method, 'task_specificity')
+
+
+def num_specificity_pairs(protocol: Protocol) -> int:
+  """protocol.specificity_pairs, at most as many as the protocol's episodes."""
+  return min(protocol.specificity_pairs, protocol.num_episodes)
+
+
+def run_specificity(method: methods.Method, params, class_images, protocol: Protocol,
+                    spec: episodes_lib.EpisodeSpec | None = None,
+                    vectorize: bool | None = None) -> dict[str, Any]:
+  """Task specificity on `num_specificity_pairs` two-task episodes of the protocol's
+  split, seed and query draws (`EpisodicMethod.task_specificity`; `spec` as in
+  `run_protocol`, its T replaced by 2): 'own', 'swapped' [N] accuracies and 'theta'
+  (theta_a of every pair, leaves [N, ...])."""
+  spec = (spec or evaluation_spec(method.config, protocol))._replace(num_tasks=2)
+  _check_spec(spec, class_images, protocol.split)
+  evaluate_batch = make_evaluate_batch(method, spec, protocol.num_query_draws, vectorize,
+                                       measure='specificity')
+  (own, swapped, theta), _ = map_episodes(evaluate_batch, params, class_images, protocol,
+                                          num_specificity_pairs(protocol), 'pairs of tasks')
+  return {'own': own.astype(np.float64), 'swapped': swapped.astype(np.float64), 'theta': theta}
+
+
+def summarize_specificity(per_pair: dict[str, Any]) -> dict[str, Any]:
+  """Means and 95% CIs of `run_specificity`'s output, JSON-ready: 'own', 'swapped',
+  'difference' (own - swapped, paired), 'ci95' (of the difference), 'own_ci95',
+  'num_pairs', and 'spread': per array of theta, the standard deviation of its values
+  across tasks over their root mean square (0 for arrays that are not written)."""
+  own, swapped = per_pair['own'], per_pair['swapped']
+  ci95 = lambda x: float(metrics.mean_and_ci(x)[1])
+  spread = {}
+  for path, values in jax.tree_util.tree_flatten_with_path(per_pair['theta'])[0]:
+    values = np.asarray(values, np.float64)
+    rms = np.sqrt(np.mean(values ** 2))
+    spread[jax.tree_util.keystr(path, simple=True, separator='/')] = (
+        float(values.std(axis=0).mean() / rms) if rms > 0 else 0.0)
+  return {'own': float(own.mean()), 'swapped': float(swapped.mean()),
+          'difference': float((own - swapped).mean()), 'ci95': ci95(own - swapped),
+          'own_ci95': ci95(own), 'num_pairs': len(own), 'spread': spread}
 
 
 def _fetch(batch_outputs):
@@ -255,6 +324,7 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
   results = summarize(per_episode, trained_tasks=method.trained_tasks(protocol.num_tasks))
   results.update(protocol=dataclasses.asdict(protocol), episode=spec._asdict(),
                  timing=per_episode['timing'], method=method.display_name)
+  results['task_specificity'] = task_specificity(method, params, class_images, protocol, spec)
   if getattr(method, 'note', None):
     results['note'] = method.note
   logging.info('Evaluation took %.1f s, %.2f episodes/s after compilation.',
@@ -263,6 +333,36 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
                ', '.join(f'{c} {100 * m:.1f}%' for c, m in zip(
                    results['table']['columns'], results['table']['class_incremental']['mean'])))
   return results
+
+
+def task_specificity(method: methods.Method, params, class_images, protocol: Protocol,
+                     spec: episodes_lib.EpisodeSpec) -> dict[str, Any] | None:
+  """`summarize_specificity` of `run_specificity` plus its 'seconds', logged; None where
+  it is not measured (a method that writes no CNN from a support set, too few classes,
+  or protocol.specificity_pairs = 0), saying why."""
+  if not protocol.specificity_pairs:
+    return None
+  if not measures_specificity(method):
+    logging.info('Task specificity is not measured for %s: it learns theta_t by gradient '
+                 'steps, not from the support set alone.', method.display_name)
+    return None
+  problems = episodes_lib.spec_problems(spec._replace(num_tasks=2),
+                                        *np.shape(class_images)[:2],
+                                        split=f'the {protocol.split!r} split')
+  if problems:
+    logging.warning('Task specificity not measured: it needs two disjoint tasks. %s',
+                    ' '.join(problems))
+    return None
+  start = time.perf_counter()
+  result = summarize_specificity(run_specificity(method, params, class_images, protocol, spec))
+  result['seconds'] = time.perf_counter() - start
+  result['swap'] = ('the layers below the head (each task keeps its own head)'
+                    if method.task_incremental_score == 'cross_entropy' else 'every array')
+  logging.info('Task specificity, %d pairs of tasks: own %.1f%%, swapped %.1f%%, own - '
+               'swapped %+.2f +- %.2f points (%.1f s).', result['num_pairs'],
+               100 * result['own'], 100 * result['swapped'], 100 * result['difference'],
+               100 * result['ci95'], result['seconds'])
+  return result
 
 
 def restore_params(workdir: str, config: ml_collections.ConfigDict, step: int | None = None,
@@ -305,6 +405,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   scalars = {f'{name}/{c}': m for name in ('class_incremental', 'task_incremental')
              for c, m in zip(results['table']['columns'], results['table'][name]['mean'])}
   scalars['episodes_per_sec'] = results['timing']['episodes_per_second']
+  if results['task_specificity']:
+    scalars.update({f'task_specificity/{name}': results['task_specificity'][name]
+                    for name in ('own', 'swapped', 'difference', 'ci95')})
   sampler = '' if protocol.sampler == 'strict' else f'_{protocol.sampler}'
   log.write(step, f'eval_{protocol.split}_T{protocol.num_tasks}{sampler}', scalars)
   log.close()

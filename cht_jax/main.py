@@ -51,6 +51,9 @@ flags.DEFINE_integer('eval_seed', evaluate.DEFAULT_SEED, 'Seed of the evaluation
 flags.DEFINE_integer('eval_batch_size', 8, 'Episodes per compiled call (memory only).')
 flags.DEFINE_enum('eval_sampler', 'strict', list(evaluate.SAMPLERS), 'Query draws: strict '
                   "(never a support image) or the original HT's (docs/evaluation.md).")
+flags.DEFINE_integer('eval_specificity_pairs', 256, 'Pairs of tasks on which to measure '
+                     "whether the written CNN depends on its task (own vs another task's "
+                     'weights); 0: not measured.')
 flags.DEFINE_enum('eval_embeddings', None, ['umap', 'pca'], 'Also plot prototypes and '
                   'queries of one episode in 2-D (umap needs umap-learn).')
 # Multi-host: every process runs the same command; jax.distributed finds the others.
@@ -184,7 +187,7 @@ def main(argv):
           num_query_draws=FLAGS.eval_query_draws,
           queries_per_class=FLAGS.eval_queries_per_class, seed=FLAGS.eval_seed,
           batch_size=FLAGS.eval_batch_size, embeddings=FLAGS.eval_embeddings,
-          sampler=FLAGS.eval_sampler)
+          sampler=FLAGS.eval_sampler, specificity_pairs=FLAGS.eval_specificity_pairs)
     else:
       train.train_and_evaluate(config, workdir)
   except Exception as e:  # pylint: disable=broad-except

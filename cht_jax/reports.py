@@ -110,11 +110,32 @@ def format_markdown(results: dict[str, Any]) -> str:
                    fmt(s['average_accuracy']), fmt(s['average_incremental_accuracy']),
                    fmt(s['backward_transfer'], '+'), fmt(s['forgetting'], '+')])
   parts += [markdown_table(header, rows), '']
+  parts += specificity_markdown(results.get('task_specificity'))
   timing = results.get('timing')
   if timing:
     parts += [f'Evaluation time: {timing["seconds"]:.1f} s ({timing["episodes_per_second"]:.2f}'
               f' episodes/s after compilation) on {timing["device"]}.', '']
   return '\n'.join(parts)
+
+
+def specificity_markdown(specificity: dict[str, Any] | None) -> list[str]:
+  """The task-specificity section of `format_markdown` (evaluate.summarize_specificity)."""
+  if not specificity:
+    return []
+  s = specificity
+  parts = [
+      '## Task specificity: is the CNN written for its task?', '',
+      f'Task-incremental accuracy of task A over {s["num_pairs"]} pairs (A, B) of disjoint '
+      "tasks, with the CNN written from A's support set (own) and from B's (swapped; "
+      f'swapped: {s["swap"]}), prototypes of A. About 0 where the CNN is the same for every '
+      'task (docs/evaluation.md).', '',
+      markdown_table(['own', 'swapped', 'own - swapped'], [[
+          _percent(s['own'], s['own_ci95']), f'{100 * s["swapped"]:.1f}',
+          f'{100 * s["difference"]:+.2f} ± {100 * s["ci95"]:.2f}']]), '',
+      'Spread of each array of theta across tasks (std over tasks / rms; 0: not written):', '',
+      markdown_table(['array', 'spread'], [[name, f'{value:.4f}']
+                                           for name, value in s['spread'].items()]), '']
+  return parts
 
 
 def csv_rows(results: dict[str, Any]) -> list[list[Any]]:

@@ -158,7 +158,9 @@ def make_validation(method: methods.Method, class_images, domain_sizes=()):
   num_tasks = validation_tasks(config, len(class_images))
   if method.validation == 'loss':
     step = make_eval_step(method, config.train.eval_episodes, num_tasks, domain_sizes)
-    return lambda params, key: jax.device_get(step(params, class_images, key))
+    specificity = make_validation_specificity(method, class_images, domain_sizes)
+    return lambda params, key: {**jax.device_get(step(params, class_images, key)),
+                                **specificity(params)}
   protocol = evaluate.default_protocol(
       config, num_tasks=num_tasks, num_episodes=config.train.eval_episodes,
       num_query_draws=1, split='validation', batch_size=config.train.eval_episodes)
@@ -170,6 +172,29 @@ def make_validation(method: methods.Method, class_images, domain_sizes=()):
     return {'class_incremental_final': final('class_incremental'),
             'task_incremental_final': final('task_incremental')}
   return validate
+
+
+def make_validation_specificity(method: methods.Method, class_images, domain_sizes=()):
+  """specificity(params) -> {'specificity_own', '_swapped', '_difference'}: the evaluation's task
+  specificity (evaluate.task_specificity) on train.eval_episodes pairs of validation tasks,
+  one query draw, so that a curve shows when the written CNN starts to depend on its task;
+  {} where the method writes no CNN from a support set or the classes are too few."""
+  config = method.config
+  protocol = evaluate.default_protocol(
+      config, num_tasks=2, num_episodes=config.train.eval_episodes, num_query_draws=1,
+      split='validation', batch_size=config.train.eval_episodes,
+      specificity_pairs=config.train.eval_episodes)
+  spec = evaluate.evaluation_spec(config, protocol, domain_sizes)
+  problems = episodes_lib.spec_problems(spec, *np.shape(class_images)[:2])
+  if not evaluate.measures_specificity(method) or problems:
+    return lambda params: {}
+
+  def specificity(params):
+    per_pair = evaluate.run_specificity(method, params, class_images, protocol, spec)
+    own, swapped = float(per_pair['own'].mean()), float(per_pair['swapped'].mean())
+    return {'specificity_own': own, 'specificity_swapped': swapped,
+            'specificity_difference': own - swapped}
+  return specificity
 
 
 # ====== The run and its loop ==========================================================

@@ -34,13 +34,17 @@ from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
+import ml_collections
 from ml_collections import config_flags
 import numpy as np
 import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+from cht_jax import evaluate  # pylint: disable=g-import-not-at-top
 from cht_jax import losses  # pylint: disable=g-import-not-at-top
+from cht_jax import metrics  # pylint: disable=g-import-not-at-top
 from cht_jax import models  # pylint: disable=g-import-not-at-top
+from cht_jax.methods import cht  # pylint: disable=g-import-not-at-top
 from cht_jax.models import hypertransformer as ht_lib  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
@@ -151,25 +155,30 @@ def run(config, ways: int = 5, planes: int = 3, steps: int = 1500, batch: int = 
   ht_params, ht_curve = jax.jit(functools.partial(train, ht_loss))(ht_params)
   cnn_params, cnn_curve = jax.jit(functools.partial(train, cnn_loss))(cnn_params)
 
+  method = cht.CHT(ml_collections.FrozenConfigDict(config), ht=ht)
+
   @jax.jit
   def task_accuracies(ht_params, cnn_params):
     support, queries, query_labels, relevant = tasks(key_eval, eval_tasks)
-    own_thetas = jax.vmap(lambda s: generate(ht, ht_params, s, ways))(support)
-    # Task i with the CNN written from task i+1's support set; keep the pairs whose relevant
-    # planes differ, where a written CNN must fail if it reads the relevant plane alone.
-    swapped_thetas = jax.tree.map(lambda x: jnp.roll(x, -1, axis=0), own_thetas)
-    accuracy = lambda thetas: jax.vmap(
-        lambda theta, s, q, l: prototype_loss(cnn, theta, s, q, l)[1].mean())(
-            thetas, support, queries, query_labels)
-    fixed = jax.tree.map(lambda x: jnp.broadcast_to(x, (eval_tasks,) + x.shape), cnn_params)
-    return (accuracy(own_thetas), accuracy(swapped_thetas), accuracy(fixed),
-            relevant != jnp.roll(relevant, -1))
+    # Task i is A and task i+1 is B of pair i, scored as the evaluation scores any model.
+    pair = lambda x: jnp.stack([x, jnp.roll(x, -1, axis=0)], axis=1)
+    episodes = {'support_images': pair(support),
+                'support_labels': jnp.tile(jnp.arange(ways), (eval_tasks, 2, 1)),
+                'query_images': pair(queries)[:, None], 'query_labels': pair(query_labels)}
+    own, swapped, _ = jax.vmap(lambda e: method.task_specificity(ht_params, e))(episodes)
+    fixed = jax.vmap(lambda s, q, l: prototype_loss(cnn, cnn_params, s, q, l)[1])(
+        support, queries, query_labels)
+    return own, swapped, fixed, relevant != jnp.roll(relevant, -1)
 
   own, swapped, fixed, other_plane = map(np.asarray, task_accuracies(ht_params, cnn_params))
+  # The pairs whose relevant planes differ: where a written CNN that reads the relevant plane
+  # alone must fail.
   scores = {'hypertransformer': own, 'hypertransformer_swapped': swapped[other_plane],
             'fixed_cnn': fixed}
-  ci95 = lambda x: float(1.96 * np.std(x) / np.sqrt(len(x)))
+  ci95 = lambda x: float(metrics.mean_and_ci(x)[1])
   result = {name: {'mean': float(np.mean(v)), 'ci95': ci95(v)} for name, v in scores.items()}
+  result['task_specificity'] = evaluate.summarize_specificity(
+      {'own': own, 'swapped': swapped, 'theta': {}})
   result['chance'] = 1.0 / ways
   result['final_loss'] = {'hypertransformer': float(np.mean(ht_curve[-50:])),
                           'fixed_cnn': float(np.mean(cnn_curve[-50:]))}
@@ -186,6 +195,10 @@ def main(argv):
         f'(chance {100 * result["chance"]:.0f}):')
   for name in ('hypertransformer', 'hypertransformer_swapped', 'fixed_cnn'):
     print(f'  {name:26s} {100 * result[name]["mean"]:.1f} +- {100 * result[name]["ci95"]:.1f}')
+  specificity = result['task_specificity']
+  print(f'  own - swapped over all {specificity["num_pairs"]} pairs (the evaluation\'s task '
+        f'specificity): {100 * specificity["difference"]:+.1f} +- '
+        f'{100 * specificity["ci95"]:.1f} points')
   print(f'  final training loss: {result["final_loss"]}')
 
 

@@ -57,7 +57,8 @@ def save_checkpoint(workdir, config, state):
 
 def small_protocol(config, **overrides):
   # The same shapes everywhere: the compiled protocol is cached across tests.
-  values = dict(num_episodes=4, num_query_draws=2, batch_size=2, num_tasks=3)
+  values = dict(num_episodes=4, num_query_draws=2, batch_size=2, num_tasks=3,
+                specificity_pairs=4)
   values.update(overrides)
   return evaluate.default_protocol(config, **values)
 
@@ -126,6 +127,29 @@ def test_episode_accuracies_match_the_training_computation(trained):
                     (vec_task, 'task_incremental'), (vec_class, 'class_incremental')):
     np.testing.assert_allclose(got, np.mean(expected[loss], axis=0), atol=1e-6)
   assert task_inc.shape == (6,)
+
+
+def test_task_specificity_own_is_the_protocols_task_0_and_a_fixed_cnn_scores_0(trained):
+  config, _, params = trained
+  images = class_images(images_per_class=8)
+  protocol = small_protocol(config, num_tasks=2, num_episodes=6, specificity_pairs=8)
+  method = methods.build(config)
+  per_pair = evaluate.run_specificity(method, params, images, protocol)
+  # Pair i is episode i of a T=2 protocol: A is task 0, written from its support alone.
+  per_episode = evaluate.run_protocol(method, params, images, protocol)
+  np.testing.assert_allclose(per_pair['own'], per_episode['task_incremental'][:, 0, 0],
+                             atol=0.51 / (3 * config.episode.queries_per_class))
+  summary = evaluate.summarize_specificity(per_pair)
+  assert summary['num_pairs'] == 6 and summary['difference'] == pytest.approx(
+      summary['own'] - summary['swapped'])
+  assert summary['spread']['block_0/kernel'] > 0  # Written: different in every task.
+  assert summary['spread']['block_0/scale'] == 0  # Trained, shared by every task.
+
+  constpn = methods.build(tiny_config(method='constpn'))
+  fixed = evaluate.summarize_specificity(evaluate.run_specificity(
+      constpn, constpn.init(jax.random.key(0)), images, protocol))
+  assert fixed['own'] == fixed['swapped'] and fixed['difference'] == 0.0
+  assert set(fixed['spread'].values()) == {0.0}
 
 
 def test_episode_i_depends_only_on_the_seed_and_i(trained):
@@ -294,6 +318,11 @@ def test_every_report_file_for_a_tiny_model(tmp_path, trained):
   assert '| Method | 0 | 0-1 | 0-2 |' in markdown
   assert '| CHT (T=2) |' in markdown and '†' in markdown
   assert 'Forgetting' in markdown
+  specificity = saved['task_specificity']
+  assert specificity['num_pairs'] == 4 and {'own', 'swapped', 'difference', 'ci95'} <= set(
+      specificity)
+  assert '## Task specificity' in markdown and '| own - swapped |' in markdown[
+      markdown.index('## Task specificity'):]
 
 
 def test_figure_from_several_results_with_baselines(tmp_path, trained):
@@ -566,4 +595,8 @@ def test_the_hypertransformer_learns_a_cnn_that_depends_on_the_support_set():
   own, swapped = result['hypertransformer']['mean'], result['hypertransformer_swapped']['mean']
   assert own > result['fixed_cnn']['mean'] + 0.15, result
   assert own > swapped + 0.3, result
+  # The evaluation's own measure (over every pair, same plane or not) sees it too.
+  specificity = result['task_specificity']
+  assert specificity['own'] == pytest.approx(own)
+  assert specificity['difference'] - specificity['ci95'] > 0.2, specificity
   assert result['fixed_cnn']['mean'] > result['chance'] + 0.1, result  # the control learned

@@ -11,6 +11,7 @@ A method is a frozen dataclass built from a config by `methods.build`:
   step_variant(step)   (static, inputs): the compiled step and its arrays (MAML++'s phases)
   grads(params, data, key, ...)  a step's mean gradient and metrics
   episode_accuracies   accuracies of every (theta_t, tau <= t) of an evaluation episode
+  task_specificity     own against swapped accuracy of two tasks' CNNs (episodic methods)
   trained_tasks(T_eval) the T beyond which theta_t extrapolates
 
 Two families: `EpisodicMethod` (CHT, ConstPN, Merged HT: theta_t and prototypes
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from cht_jax import continual
+from cht_jax import losses
 from cht_jax.methods import sequential
 from cht_jax.data import augment as augment_lib
 from cht_jax.data import datasets
@@ -115,6 +117,43 @@ class EpisodicMethod(Method):
       return accuracy.mean(axis=0)
 
     return score(self.task_incremental_score), score('class_incremental')
+
+  def task_specificity(self, params, episode, vectorize: bool = False):
+    """(own, swapped, theta_a): does the CNN written for a task depend on that task?
+
+    Tasks A and B are the two (disjoint) tasks of an evaluation episode; theta_a and
+    theta_b are written from each support set alone, as the first task of an episode.
+    A's queries are scored (task-incremental, over A's K classes, mean over the query
+    draws) with theta_a ('own') and with theta_b ('swapped'), the prototypes always of
+    A's support images under the CNN scored. Under 'cross_entropy' scoring the head's
+    logits are the prediction, so the swap keeps A's own head and asks whether the layers
+    below it are task-specific. own == swapped for a CNN that is the same for every task.
+    """
+    def first_task_theta(task):
+      one = lambda x: x[task:task + 1]
+      thetas, _ = self.thetas_and_prototypes(
+          params, one(episode['support_images']), one(episode['support_labels']),
+          remat=False, **jax.tree.map(one, unlabeled_support(episode)))
+      return jax.tree.map(lambda leaf: leaf[0], thetas)
+
+    theta_a, theta_b = first_task_theta(0), first_task_theta(1)
+    score = self.task_incremental_score
+    if score == 'cross_entropy':
+      theta_b = {**theta_b, 'head': theta_a['head']}
+    support_images, support_labels = episode['support_images'][0], episode['support_labels'][0]
+    query_images, query_labels = episode['query_images'][:, 0], episode['query_labels'][0]
+    num_ways = support_labels.shape[0] // self.config.episode.shots
+
+    def accuracy(theta):  # Mean over the draws [R, K*Q, H, W, C], each a BatchNorm batch.
+      embed = lambda images: self.cnn.apply({'params': theta}, images)
+      prototypes = losses.class_prototypes(embed(support_images), support_labels, num_ways)
+      embeddings = jax.lax.map(embed, query_images,
+                               batch_size=query_images.shape[0] if vectorize else None)
+      logits, _ = jax.vmap(lambda e: losses.pair_logits(score, e, prototypes[None], 0, 0))(
+          embeddings)
+      return jnp.mean(jnp.argmax(logits, axis=-1) == query_labels)
+
+    return accuracy(theta_a), accuracy(theta_b), theta_a
 
 
 def embed_query_draws(method, thetas, query_images: jax.Array, pairs: continual.TaskPairs,
