@@ -127,6 +127,14 @@ def training_classes() -> jax.Array:
   return jax.device_put(class_images(20), jax.NamedSharding(devices.data_mesh(), jax.P()))
 
 
+def same_machine(values, golden_values, ulps: int = 2) -> bool:
+  """Whether float32 `values` are `golden_values` to `ulps` ulps each: the fingerprint of
+  the machine (CPU type, XLA build) that wrote a golden run, where a test checks the
+  rest of the run closely; elsewhere rounding sends a long run apart."""
+  values, golden = np.float32(values), np.float32(golden_values)
+  return bool(np.all(np.abs(values - golden) <= ulps * np.spacing(np.abs(golden))))
+
+
 def normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
   """float32 standard-normal test inputs from NumPy: `jax.random.normal` compiles a sampler
   for every shape, and XLA:CPU's compile time grows with the shape."""

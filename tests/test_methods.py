@@ -18,7 +18,7 @@ from cht_jax import config_validation
 from cht_jax import evaluate
 from cht_jax import methods
 from cht_jax import train
-from conftest import REPO_ROOT, class_images
+from conftest import REPO_ROOT, class_images, same_machine
 
 with open(REPO_ROOT / 'tests' / 'data' / 'methods_tiny_golden.json') as f:
   GOLDEN = json.load(f)
@@ -74,9 +74,8 @@ def test_method_gives_the_numbers_of_before_the_redesign(name, tmp_path):
   # inner steps on 3 evaluation episodes moved its table by up to 0.22 on an AMD EPYC).
   # That machine's first loss is the golden one to 2 float32 ulps (bit for bit where XLA
   # optimises as by default, 1-2 ulps with the suite's least-optimised kernels, conftest.py).
-  first, golden_first = np.float32(train_loss[0]), np.float32(golden['train_loss'][0])
-  same_machine = abs(first - golden_first) <= 2 * np.spacing(golden_first)
-  rtol, atol = (1e-4, 0.03) if same_machine else (0.1, 0.25)
+  rtol, atol = ((1e-4, 0.03) if same_machine(train_loss[:1], golden['train_loss'][:1])
+                else (0.1, 0.25))
   np.testing.assert_allclose(train_loss, golden['train_loss'], rtol=rtol)
   validation = [r for r in rows if r['split'] == 'validation']
   assert len(validation) == len(golden['validation'])

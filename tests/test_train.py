@@ -11,7 +11,7 @@ from cht_jax import optim
 from cht_jax import train
 from cht_jax.runtime import checkpoints
 from cht_jax.runtime import devices
-from conftest import class_images, override, tiny_config, training_classes
+from conftest import class_images, override, same_machine, tiny_config, training_classes
 
 
 def make_state(config, key=0):
@@ -72,9 +72,11 @@ def test_checkpoint_round_trip(tmp_path):
 # tiny model, T=1 5-way 1-shot, 1,000 one-episode steps on conftest's class images: the
 # accuracy starts at chance (0.2), sits on the ln(5) plateau, then climbs, as HT on Omniglot
 # does over its first thousands of steps (docs/parity.md). Mean training accuracy per 100
-# steps, and the first step's loss, as this suite's compiled programs gave them.
-LEARNING_CURVE = [0.2040, 0.2193, 0.2460, 0.2840, 0.2800, 0.2893, 0.3220, 0.3227, 0.3180, 0.3460]
-FIRST_LOSS = '0x1.5825a40000000p+1'
+# steps as this suite's compiled programs gave them, and the losses of steps 0 and 99 there:
+# the first agrees to float32 rounding on any CPU, the second only where the arithmetic is
+# that machine's (another CPU type can agree on the first and part by step 99).
+LEARNING_CURVE = [0.1913, 0.2140, 0.2280, 0.2513, 0.2707, 0.3220, 0.3140, 0.3480, 0.3600, 0.4667]
+LOSSES = {0: '0x1.5825a00000000p+1', 99: '0x1.7555560000000p+0'}
 
 
 def test_the_ht_recipe_learns_at_its_pinned_speed():
@@ -95,9 +97,8 @@ def test_the_ht_recipe_learns_at_its_pinned_speed():
   # Other seeds of this run end well above this bound (docs/parity.md); a learner stuck on
   # the plateau (or one several times slower) stays near chance there.
   assert curve[-2:].mean() >= 0.27, curve
-  # Where the first loss is this suite's own to 2 float32 ulps (the machine that wrote
-  # these numbers), the whole curve is: within an accuracy of 0.02 per 100 steps.
-  first, golden = np.float32(losses[0]), np.float32(float.fromhex(FIRST_LOSS))
-  np.testing.assert_allclose(first, golden, rtol=1e-3)  # Any CPU: float32 rounding.
-  if abs(first - golden) <= 2 * np.spacing(golden):
+  golden = {step: float.fromhex(loss) for step, loss in LOSSES.items()}
+  np.testing.assert_allclose(losses[0], golden[0], rtol=1e-3)  # Any CPU: float32 rounding.
+  # On the machine that wrote these numbers, the whole curve: within 0.02 per 100 steps.
+  if same_machine([losses[step] for step in golden], list(golden.values())):
     np.testing.assert_allclose(curve, LEARNING_CURVE, atol=0.02, err_msg='learning curve')
