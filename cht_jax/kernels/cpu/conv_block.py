@@ -14,6 +14,11 @@ import numpy as np
 from cht_jax.kernels.cpu import library
 
 
+# The output widths the C++ code is compiled for (vectors of 8 floats); a narrower block is
+# computed at the next of them, its extra channels all zeros (zero kernel, scale and bias).
+OUTPUT_CHANNELS = (8, 16, 32, 64)
+
+
 def _pooled_shapes(x: jax.Array, kernel: jax.Array):
   *lead, h, w, _ = x.shape
   shape = (*lead, h // 2, w // 2, kernel.shape[-1])
@@ -26,9 +31,9 @@ def unsupported(x: jax.Array, kernel: jax.Array) -> str | None:
     return f'it handles float32 only, got {x.dtype} and {kernel.dtype}'
   k = kernel.shape[0]
   if (x.ndim != 4 or kernel.ndim != 4 or kernel.shape[1] != k or k % 2 != 1
-      or kernel.shape[2] != x.shape[-1] or kernel.shape[3] not in (8, 16, 32, 64)):
+      or kernel.shape[2] != x.shape[-1] or kernel.shape[3] > OUTPUT_CHANNELS[-1]):
     return (f'it needs x [N, H, W, C_in] and an odd square kernel [k, k, C_in, C_out] '
-            f'with C_out in (8, 16, 32, 64), got {kernel.shape} for {x.shape}')
+            f'with C_out <= {OUTPUT_CHANNELS[-1]}, got {kernel.shape} for {x.shape}')
   return None
 
 
@@ -68,4 +73,11 @@ def conv_relu_pool_norm(x: jax.Array, kernel: jax.Array, scale: jax.Array, bias:
   if reason:
     raise ValueError(f"model.conv_impl='fused_cpu': {reason}; use auto or patches.")
   library.load()
-  return _conv_relu_pool_norm(x, kernel, scale, bias, epsilon)
+  channels = kernel.shape[-1]
+  width = next(c for c in OUTPUT_CHANNELS if c >= channels)
+  if width == channels:
+    return _conv_relu_pool_norm(x, kernel, scale, bias, epsilon)
+  # A zero channel stays zero through ReLU, pooling and the norm (scale 0), and the padding's
+  # gradient is the slice of the kernel's: the block's numbers and derivatives are unchanged.
+  pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - channels)])
+  return _conv_relu_pool_norm(x, pad(kernel), pad(scale), pad(bias), epsilon)[..., :channels]
