@@ -286,6 +286,12 @@ def fast_table1_markdown(summary: dict) -> str:
            f"training {summary['train_wall_seconds'] or 0:.0f} s, evaluation "
            f"{summary['eval_wall_seconds']:.0f} s (wall clock, compilation and data loading "
            'included)']
+  specificity = summary.get('task_specificity')
+  if specificity:
+    lines += ['', f"Task specificity ({specificity['num_pairs']} pairs of test tasks): own "
+              f"{100 * specificity['own']:.1f}, swapped {100 * specificity['swapped']:.1f}, "
+              f"own - swapped {100 * specificity['difference']:+.2f} ± "
+              f"{100 * specificity['ci95']:.2f} points"]
   return '\n'.join(lines) + '\n'
 
 

@@ -5,22 +5,17 @@ r"""How much do a trained CHT's generated weights depend on the task?
 A HyperTransformer can lower its loss by writing the same CNN for every task (a
 ConstPN, with the support set used only for the prototypes) before it learns to
 write task-specific ones, which is what makes CHT better than ConstPN in the
-paper. This measures which of the two a checkpoint does, on pairs (A, B) of
-first tasks of disjoint Omniglot test classes:
-
-  own      task A's queries classified with theta_A (generated from A's support
-           set) and A's prototypes under theta_A: the usual task-0 accuracy;
-  swapped  the same with theta_B (generated from B's support set), the
-           prototypes still A's support images under theta_B.
-
-own - swapped (paired over the same A) is near 0 where the generated CNN does
-not depend on its task. It also prints, per generated array, the spread of its
-values across tasks (standard deviation over tasks / root mean square): 0 for
-arrays the HyperTransformer does not generate; and how each generated layer's
-weight tokens attend to the support tokens (`attention`): what share of their
-attention goes to the support set, how concentrated it is there, and whether
-they pick the same labels in every task (attending by label reads the label
-embeddings, which are the same in every task).
+paper. Every evaluation report measures which of the two a checkpoint does
+(`evaluate.task_specificity`, docs/evaluation.md): on pairs (A, B) of disjoint
+test tasks, A's queries are classified with theta_A (written from A's support set)
+and with theta_B, the prototypes always A's; own - swapped (paired) is near 0 where
+the written CNN does not depend on its task, and the spread of each array across
+tasks (standard deviation over tasks / root mean square) is 0 for arrays the
+HyperTransformer does not write. This script prints that measure alone, without the
+protocol, and adds how each written layer's weight tokens attend to the support
+tokens (`attention`): what share of their attention goes to the support set, how
+concentrated it is there, and whether they pick the same labels in every task
+(attending by label reads the label embeddings, which are the same in every task).
 """
 
 import os
@@ -36,7 +31,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'examples'))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 from cht_jax import api  # pylint: disable=g-import-not-at-top
+from cht_jax import evaluate  # pylint: disable=g-import-not-at-top
 from cht_jax import losses  # pylint: disable=g-import-not-at-top
+from cht_jax import methods  # pylint: disable=g-import-not-at-top
 from cht_jax.models import hypertransformer as ht_lib  # pylint: disable=g-import-not-at-top
 import generate_weights  # pylint: disable=g-import-not-at-top
 
@@ -48,7 +45,7 @@ def _define_flags():
   generate_weights.define_model_flags()
   flags.DEFINE_integer('step', None, 'Checkpoint step; default the latest.')
   flags.DEFINE_integer('num_pairs', 200, 'Pairs of tasks (A, B).')
-  flags.DEFINE_integer('queries_per_class', 5, 'Held-out images per class of A to classify.')
+  flags.DEFINE_integer('queries_per_class', 5, 'Images per class of A to classify.')
   flags.DEFINE_integer('num_attention_tasks', 20, 'Tasks to average the attention over.')
 
 
@@ -61,31 +58,15 @@ def accuracy_with(model: api.Model, theta, support, support_labels, queries,
   return float(np.mean(np.asarray(predicted) == query_labels))
 
 
-def run(model: api.Model, test_images: np.ndarray, shots: int, num_pairs: int,
-        queries_per_class: int, seed: int) -> dict:
-  """Own against swapped accuracy over `num_pairs` pairs, and each array's spread."""
-  own, swapped, thetas = [], [], []
-  for pair in range(num_pairs):
-    (support_a, labels_a, queries_a, query_labels_a), (support_b, labels_b, _, _) = (
-        generate_weights.make_tasks(test_images, 2, model.num_ways, shots, queries_per_class,
-                                    seed * 1_000_003 + pair))
-    theta_a = api.learn_task(model, support_a, labels_a).theta
-    theta_b = api.learn_task(model, support_b, labels_b).theta
-    own.append(accuracy_with(model, theta_a, support_a, labels_a, queries_a, query_labels_a))
-    swapped.append(accuracy_with(model, theta_b, support_a, labels_a, queries_a,
-                                 query_labels_a))
-    thetas.append(jax.device_get(theta_a))
-  difference = np.asarray(own) - np.asarray(swapped)
-  stacked = jax.tree.map(lambda *per_task: np.stack(per_task), *thetas)  # [pairs, ...] leaves.
-  spread = {}
-  for path, values in jax.tree_util.tree_flatten_with_path(stacked)[0]:
-    rms = np.sqrt(np.mean(values ** 2))
-    spread[jax.tree_util.keystr(path, simple=True, separator='/')] = (
-        float(values.std(axis=0).mean() / rms) if rms > 0 else 0.0)
-  ci95 = lambda x: float(1.96 * np.std(x) / np.sqrt(len(x)))
-  return {'own': float(np.mean(own)), 'swapped': float(np.mean(swapped)),
-          'difference': float(difference.mean()), 'difference_ci95': ci95(difference),
-          'own_ci95': ci95(own), 'num_pairs': num_pairs, 'spread': spread}
+def run(config, params, test_images: np.ndarray, num_pairs: int, queries_per_class: int,
+        seed: int) -> dict:
+  """`evaluate.task_specificity` of `params` on `num_pairs` pairs of test tasks, one query
+  draw each of `queries_per_class` images per class."""
+  protocol = evaluate.default_protocol(
+      config, num_tasks=2, num_episodes=num_pairs, specificity_pairs=num_pairs,
+      queries_per_class=queries_per_class, num_query_draws=1, seed=seed)
+  return evaluate.task_specificity(methods.build(config), params, test_images, protocol,
+                                   evaluate.evaluation_spec(config, protocol))
 
 
 def attention(model: api.Model, test_images: np.ndarray, shots: int, num_tasks: int,
@@ -143,14 +124,17 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   config, model, test_images = generate_weights.load(FLAGS.workdir, FLAGS.config,
                                                      FLAGS.data_dir, FLAGS.step)
-  result = run(model, test_images, config.episode.shots, FLAGS.num_pairs,
-               FLAGS.queries_per_class, FLAGS.seed)
+  result = run(config, model.params, test_images, FLAGS.num_pairs, FLAGS.queries_per_class,
+               FLAGS.seed)
+  if result is None:
+    raise app.UsageError('Task specificity is not measured for this model (see the log).')
   print(f'{FLAGS.workdir}, step {model.step}, {result["num_pairs"]} pairs of test tasks:')
   print(f'  task-0 accuracy with its own theta    {100 * result["own"]:.1f} '
         f'+- {100 * result["own_ci95"]:.1f}')
-  print(f'  with another task\'s theta             {100 * result["swapped"]:.1f}')
+  print(f'  with another task\'s theta             {100 * result["swapped"]:.1f} '
+        f'(swapped: {result["swap"]})')
   print(f'  own - swapped (paired)                {100 * result["difference"]:+.2f} '
-        f'+- {100 * result["difference_ci95"]:.2f} points')
+        f'+- {100 * result["ci95"]:.2f} points')
   print('  spread across tasks (std / rms) of each array of theta:')
   for name, value in result['spread'].items():
     print(f'    {name:24s} {value:.4f}')

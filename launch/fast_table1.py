@@ -129,6 +129,7 @@ def main():
       'jax': jax.__version__, 'train_wall_seconds': train_seconds,
       'eval_wall_seconds': eval_seconds, 'evaluation': os.path.relpath(evals[-1], workdir),
       'step': results.get('step'), 'table1': _table1_row(results),
+      'task_specificity': results.get('task_specificity'),
   }
   metrics = os.path.join(workdir, 'metrics.jsonl')
   if os.path.exists(metrics):

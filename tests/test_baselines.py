@@ -318,7 +318,9 @@ def test_fast_table1_results_and_the_runs_table(tmp_path, capsys):
              'eval_wall_seconds': 29.6,
              'table1': {'columns': ['0', '0-1'],
                         'class_incremental': {'mean': [95.04, 80.25], 'ci95': [0.31, 0.44]},
-                        'task_incremental': {'mean': [95.04, 93.5], 'ci95': [0.31, 0.2]}}}
+                        'task_incremental': {'mean': [95.04, 93.5], 'ci95': [0.31, 0.2]}},
+             'task_specificity': {'own': 0.9504, 'swapped': 0.9502, 'difference': 0.0002,
+                                  'ci95': 0.0014, 'num_pairs': 256}}
   os.makedirs(tmp_path / 't2')
   reports.write_fast_table1(str(tmp_path / 't2'), summary)
   assert open(tmp_path / 't2' / 'results.md').read().splitlines() == [
@@ -326,7 +328,9 @@ def test_fast_table1_results_and_the_runs_table(tmp_path, capsys):
       '| accuracy (%) | 0 | 0-1 |', '|---|---|---|',
       '| class-incremental | 95.0 ± 0.3 | 80.2 ± 0.4 |',
       '| task-incremental | 95.0 ± 0.3 | 93.5 ± 0.2 |', '',
-      'training 301 s, evaluation 30 s (wall clock, compilation and data loading included)']
+      'training 301 s, evaluation 30 s (wall clock, compilation and data loading included)',
+      '', 'Task specificity (256 pairs of test tasks): own 95.0, swapped 95.0, own - swapped '
+      '+0.02 ± 0.14 points']
   assert json.load(open(tmp_path / 't2' / 'results.json')) == summary
   # launch/gpu_figure3.sh's table.md: a run without results.json keeps its row.
   output = str(tmp_path / 'table.md')

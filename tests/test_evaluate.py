@@ -513,8 +513,9 @@ def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
 
   # The task-specificity diagnostic on the same model.
   diagnostic = _example('task_specificity')
-  result = diagnostic.run(model, test_images, shots=1, num_pairs=3, queries_per_class=4, seed=0)
-  assert 0 <= result['own'] <= 1 and 0 <= result['swapped'] <= 1
+  result = diagnostic.run(api.load_config(workdir), model.params, test_images, num_pairs=3,
+                          queries_per_class=4, seed=0)
+  assert result['num_pairs'] == 3 and 0 <= result['own'] <= 1 and 0 <= result['swapped'] <= 1
   np.testing.assert_allclose(result['difference'], result['own'] - result['swapped'], atol=1e-12)
   # BatchNorm's scale is a parameter, not generated: the same for every task. The
   # kernels are generated from the support set.
