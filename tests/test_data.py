@@ -364,6 +364,7 @@ def test_a_cache_folder_that_cannot_be_written(tmp_path, monkeypatch, caplog):
   assert any(f'Could not write the cache {folder}/omniglot_ht_2022_2.npz' in w and
              'going on with the images in memory' in w and f'Make {folder} a folder' in w
              for w in warnings), warnings
+  assert any(w.startswith(f'Cannot lock {folder}/prepare.lock') for w in warnings), warnings
 
 
 

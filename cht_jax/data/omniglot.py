@@ -212,14 +212,28 @@ def preparation_lock(root: str) -> Iterator[None]:
   """Holds `<root>/cht_jax_cache/prepare.lock` (flock) for the block: one process at a time
   prepares or caches data in `root`; another waits (saying so), then finds it ready. The
   kernel releases the lock when its holder dies, so a killed run leaves none held. Where
-  the lock cannot be created (a data dir that cannot be written), the block runs without
-  it, with a warning."""
-  path = os.path.join(root, _CACHE_DIRNAME, _LOCK_NAME)
-  fd = _open_lock(path)
-  if fd is None:
-    yield
-    return
+  the lock cannot be taken (a data dir that cannot be written, a file system without
+  flock), the block runs without it, with a warning."""
+  fd = _lock(os.path.join(root, _CACHE_DIRNAME, _LOCK_NAME), root)
   try:
+    yield
+  finally:
+    if fd is not None:
+      os.close(fd)  # Releases the lock.
+
+
+def _lock(path: str, root: str) -> int | None:
+  """The file descriptor of the lock file `path` (created if need be), locked; None, with a
+  warning, where it cannot be."""
+  fd = None
+  try:
+    if '://' in path:  # gs:// and the like: no local file to lock.
+      raise OSError('not on a local file system')
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # The umask's permissions.
+    except PermissionError:
+      fd = os.open(path, os.O_RDONLY)  # Another user's: flock needs no write access.
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -229,31 +243,18 @@ def preparation_lock(root: str) -> Iterator[None]:
       start = time.time()
       fcntl.flock(fd, fcntl.LOCK_EX)
       logging.info('Waited %.0f s for %s.', time.time() - start, path)
-    with contextlib.suppress(OSError):  # Another user's lock file (read-only): not named.
-      os.ftruncate(fd, 0)
-      os.pwrite(fd, (f'host {socket.gethostname()}, process {os.getpid()}, since '
-                     f'{datetime.datetime.now().isoformat(timespec="seconds")}\n').encode(), 0)
-    yield
-  finally:
-    os.close(fd)  # Releases the lock.
-
-
-def _open_lock(path: str) -> int | None:
-  """A file descriptor of the lock file, created if need be; None, with a warning, where
-  it cannot be."""
-  try:
-    if '://' in path:  # gs:// and the like: no local file to lock.
-      raise OSError('not on a local file system')
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-      return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # The umask's permissions.
-    except PermissionError:
-      return os.open(path, os.O_RDONLY)  # Another user's: flock needs no write access.
   except OSError as e:
-    logging.warning('Cannot create the lock %s (%s: %s): going on without it, so another '
-                    'process preparing the data there at the same time could disturb this one.',
+    if fd is not None:
+      os.close(fd)
+    logging.warning('Cannot lock %s (%s: %s): going on without it, so another process '
+                    'preparing the data there at the same time could disturb this one.',
                     path, type(e).__name__, e.strerror or e)
     return None
+  with contextlib.suppress(OSError):  # Another user's lock file (read-only): not named.
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (f'host {socket.gethostname()}, process {os.getpid()}, since '
+                   f'{datetime.datetime.now().isoformat(timespec="seconds")}\n').encode(), 0)
+  return fd
 
 
 def _remove_stale_preparations(builder) -> None:
