@@ -151,6 +151,11 @@ def preprocess(model: Model, images, name: str = 'images') -> jax.Array:
 def check_labels(model: Model, labels, num_images: int) -> jax.Array:
   """int32 [S] labels of a support set: integers, every class 0..K-1 at least once."""
   labels = np.asarray(labels)
+  if not labels.size or not num_images:  # An empty list is float64: say what is missing.
+    raise ValueError(
+        f'learn_task got {num_images} support images and {labels.size} labels: a task needs '
+        f'at least one labelled image of each class 0..{model.num_ways - 1} (the model is '
+        f'{model.num_ways}-way).')
   if labels.dtype.kind not in 'iu':
     raise ValueError(f'support_labels must be integers 0..{model.num_ways - 1}, got '
                      f'dtype {labels.dtype}. Pass an int array (e.g. labels.astype(int)).')
@@ -201,7 +206,12 @@ def learn_task(model: Model, support_images, support_labels, theta: Any = None,
 
 def embed(model: Model, theta: Any, images) -> jax.Array:
   """f_theta(images): [N, D] embeddings (one BatchNorm batch)."""
-  return _embed(model.ht.cnn, theta, preprocess(model, images))
+  images = preprocess(model, images)
+  if not images.shape[0]:  # BatchNorm's mean over no image divides by zero inside JAX.
+    raise ValueError(f'images has no image (shape {tuple(images.shape)}): pass at least one, '
+                     "best a batch like training's query sets (the CNN's BatchNorm uses each "
+                     "batch's statistics).")
+  return _embed(model.ht.cnn, theta, images)
 
 
 def classify(model: Model, theta: Any, prototypes: jax.Array, images,

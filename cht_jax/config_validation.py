@@ -41,10 +41,11 @@ class ConfigError(ValueError):
   """A config field has a wrong value, or fields contradict each other."""
 
 
-def _integer(minimum: int) -> Check:
+def _integer(minimum: int, why: str = '') -> Check:
+  """An integer >= minimum; `why` (' (...)') says what a smaller one would do."""
   def check(value):
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-    return None if ok else f'an integer >= {minimum}'
+    return None if ok else f'an integer >= {minimum}{why}'
   return check
 
 
@@ -137,7 +138,12 @@ SCHEMA: dict[str, Check] = {
     'data.augment.contrast': _between(0, 1),
     'data.augment.crop_min_scale': _between(0, 1, low_open=True),
     'episode.num_tasks': _integer(1),
-    'episode.ways': _integer(1),
+    # One way per task is degenerate at any T: at T=1 the loss and its gradient are 0 at every
+    # step; at T>1 the task-incremental loss (eq. 5) still is and each task's own accuracy is
+    # 1, so the class-incremental loss only asks which task an image came from.
+    'episode.ways': _integer(2, ' (with one class per task every query has a single possible '
+                            'label: the loss is 0 and the accuracy 1 whatever the model, so '
+                            'nothing is learnt)'),
     'episode.shots': _integer(1),
     'episode.queries_per_class': _integer(1),
     'episode.task_classes': _choice(episodes.TASK_CLASSES),

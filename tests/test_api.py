@@ -86,6 +86,19 @@ def test_labels_must_be_integers(model, support):
   assert memory.prototypes.shape[0] == 1
 
 
+def test_empty_inputs_are_named(model, support):
+  labels = np.repeat(np.arange(3), 2)
+  for images, empty in ((support[:0], []), (support, []), (support[:0], labels)):
+    with pytest.raises(ValueError, match=rf'learn_task got {len(images)} support images and '
+                       rf'{len(empty)} labels: .* each class 0\.\.2 \(the model is 3-way\)'):
+      api.learn_task(model, images, empty)
+  theta, prototypes = api.learn_task(model, support, labels)
+  for task in (0, None):
+    with pytest.raises(ValueError, match=r'images has no image \(shape \(0, 16, 16, 1\)\): '
+                                         r'pass at least one'):
+      api.classify(model, theta, prototypes, support[:0], task=task)
+
+
 def test_load_model_names_a_missing_workdir(tmp_path):
   missing = str(tmp_path / 'no_such_run')
   with pytest.raises(FileNotFoundError, match=r'workdir .*no_such_run does not exist'):

@@ -24,7 +24,7 @@ def test_shipped_configs_are_valid(num_tasks, variant):
 
 @pytest.mark.parametrize('field, value, valid', [
     ('episode.num_tasks', 0, 'an integer >= 1'),
-    ('episode.ways', -2, 'an integer >= 1'),
+    ('episode.ways', -2, 'an integer >= 2'),
     ('episode.shots', 0, 'an integer >= 1'),
     ('model.num_layers', 0, 'an integer >= 1'),
     ('episode.queries_per_class', 0, 'an integer >= 1'),
@@ -54,6 +54,30 @@ def test_a_wrong_field_is_named_with_its_value_and_what_is_valid(field, value, v
     config_validation.validate(tiny(**{field: value}), num_devices=1)
   message = str(error.value)
   assert f'{field} = {value!r}: must be {valid}' in message, message
+
+
+ONE_LABEL = 'with one class per task every query has a single possible label'
+
+
+@pytest.mark.parametrize('overrides, named', [
+    # One way: at T=1 the loss and its gradient are 0 at every step.
+    ({'episode.ways': 1, 'episode.num_tasks': 1}, f'episode.ways = 1: must be an integer >= 2 '
+                                                  f'({ONE_LABEL}'),
+    ({'episode.ways': 1, 'loss': 'task_incremental'}, ONE_LABEL),  # At any T.
+    ({'episode.ways': 1, 'episode.task_classes': 'same'}, ONE_LABEL),  # Class-incremental.
+    ({'episode.ways': 1, 'loss': 'cross_entropy', 'model.cnn_embedding_dim': 1}, ONE_LABEL),
+    ({'episode.ways': 1, 'method': 'constpn', 'constpn_ways_multiplier': 5}, ONE_LABEL),
+    # No support image (no prototype), or no query (nothing to score).
+    ({'episode.shots': 0}, 'episode.shots = 0: must be an integer >= 1.'),
+    ({'episode.queries_per_class': 0}, 'episode.queries_per_class = 0: must be an integer >= 1.'),
+])
+def test_tasks_that_teach_nothing_are_refused(overrides, named):
+  with pytest.raises(ConfigError, match='has a problem: ') as error:
+    config_validation.validate(tiny(**overrides), num_devices=1)
+  assert named in str(error.value), str(error.value)
+  config_validation.validate(tiny(**{**overrides, 'episode.ways': 2, 'episode.shots': 1,
+                                     'episode.queries_per_class': 1,
+                                     'model.cnn_embedding_dim': 2}), num_devices=1)
 
 
 def test_wrong_types_in_a_config_file():
@@ -177,8 +201,9 @@ def run_main(*args):
     (['--config=configs/omniglot_t2.py:tiny', '--config.train.num_step=5'],
      'FATAL Flags parsing error: --config.train.num_step=5: the config has no field '
      'train.num_step; did you mean train.num_steps?'),
-    (['--config=configs/omniglot_t2.py:tiny', '--config.episode.ways=0'],
-     'ConfigError: The config has a problem: episode.ways = 0: must be an integer >= 1.'),
+    (['--config=configs/omniglot_t2.py:tiny', '--config.episode.ways=1'],
+     'ConfigError: The config has a problem: episode.ways = 1: must be an integer >= 2 '
+     '(with one class per task'),
     (['--config=configs/omniglot_t2.py:tiy'],
      "ValueError: Unknown config variant 'tiy'; expected one of ('', 'smoke', 'tiny', 'fast')."),
 ])

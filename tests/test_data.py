@@ -1,8 +1,11 @@
 """Tests of cht_jax.data: episode sampling, class splits, the Omniglot loader."""
 
+import io
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 
 import jax
@@ -14,7 +17,7 @@ import tensorflow_datasets as tfds
 from cht_jax.data import episodes
 from cht_jax.data import omniglot
 
-from conftest import OMNIGLOT_ARCHIVES, require_archives
+from conftest import OMNIGLOT_ARCHIVES, REPO_ROOT, require_archives
 
 # --------------------------------------------------------------------------
 # Episodes. Class c, image m is base[c] + m, with base[c] a random (so
@@ -249,7 +252,9 @@ def test_load_omniglot_under_mock_data(tmp_path):
     assert out[split].dtype == np.uint8
     assert out[split].shape[1:] == (2, 14, 14, 1)
     assert 0 < len(out[split]) <= len(omniglot.class_split()[split])
-  assert not list(tmp_path.iterdir())  # Nothing prepared or cached.
+  # Nothing prepared or cached: only the lock taken to prepare.
+  assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob('*') if p.is_file()] == [
+      'cht_jax_cache/prepare.lock']
 
 
 class _FailingBuilder:
@@ -262,7 +267,9 @@ class _FailingBuilder:
     raise self.error
 
 
-def test_tfds_failures_become_one_paragraph():
+def test_tfds_failures_become_one_paragraph(monkeypatch):
+  tfds.enable_progress_bar()
+  monkeypatch.setattr(sys, 'stderr', io.StringIO())  # A log file, not a terminal.
   error = OSError('No space left on device\n  Traceback ...\n  more lines')
   with pytest.raises(omniglot.DataError) as e:
     omniglot.download_and_prepare(_FailingBuilder(error), 'Could not prepare X in /d',
@@ -272,16 +279,92 @@ def test_tfds_failures_become_one_paragraph():
   ours = omniglot.DataError('Our own message.')  # Already says what to do.
   with pytest.raises(omniglot.DataError, match='^Our own message.$'):
     omniglot.download_and_prepare(_FailingBuilder(ours), 'Could not', 'Fix.')
+  # Progress bars off: in a log file each redraw was a line (230,000 of them).
+  from tensorflow_datasets.core.utils import tqdm_utils  # pylint: disable=g-import-not-at-top
+  assert isinstance(tqdm_utils.tqdm(range(1)), tqdm_utils.EmptyTqdm)
 
 
 def test_missing_archive(tmp_path):
   manual = tmp_path / 'manual'
   manual.mkdir()
   (manual / 'images_background_small1.zip').write_bytes(b'x')
+  # What a killed preparation leaves (TFDS's folder, ours), removed before preparing.
+  stale = [tmp_path / 'tfds' / 'omniglot' / 'incomplete.4NKX0G_3.0.0',
+           tmp_path / 'tfds' / 'downloads' / 'cht_jax_extract_k2j4x']
+  for folder in stale:
+    folder.mkdir(parents=True)
+    (folder / 'part.tfrecord').write_bytes(b'x')
   with pytest.raises(omniglot.DataError,
                      match=r'images_background\.zip.*missing from') as e:
     omniglot.prepare_omniglot(str(tmp_path / 'tfds'), str(manual))
   assert 'data.manual_dir' in str(e.value)
+  assert not any(folder.exists() for folder in stale)
+
+
+# A run that loads Omniglot, its preparation (`_prepare_locked`) a stand-in that works until
+# the file `go` appears, its TFDS read (`_read_omniglot`) one of blank images.
+_PREPARING_RUN = """
+import os, sys, time
+from absl import logging
+import numpy as np
+from cht_jax.data import omniglot
+
+def prepare(data_dir, manual_dir):
+  print('preparing', flush=True)
+  while not os.path.exists(go):
+    time.sleep(0.05)
+
+def read(data_dir, splits, size, *args):
+  return {s: np.zeros((len(ids), 20, size, size, 1), np.uint8) for s, ids in splits.items()}
+
+logging.use_absl_handler()
+logging.set_verbosity(logging.INFO)
+data_dir, go = sys.argv[1:]
+omniglot._prepare_locked, omniglot._read_omniglot = prepare, read
+out = omniglot.load_omniglot(data_dir, None, image_size=2)
+print({s: len(v) for s, v in out.items()}, flush=True)
+"""
+
+
+def test_concurrent_preparations_of_a_data_dir_take_turns(tmp_path):
+  """The second of two runs preparing one data dir failed after 65 s, blaming the free space:
+  now it waits for the first, then reads the cache the first wrote."""
+  data_dir, go = str(tmp_path / 'tfds'), str(tmp_path / 'go')
+  run = lambda: subprocess.Popen(  # pylint: disable=g-long-lambda
+      [sys.executable, '-c', _PREPARING_RUN, data_dir, go], cwd=REPO_ROOT,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  first = run()
+  assert first.stdout.readline() == 'preparing\n'  # It holds the lock.
+  second = run()
+  waiting = f'Waiting for another process preparing {data_dir} (host '
+  seen = ''
+  while waiting not in seen and second.poll() is None:
+    seen += second.stderr.readline()
+  open(go, 'w').close()
+  outputs = [p.communicate(timeout=60) for p in (first, second)]
+  assert [first.returncode, second.returncode] == [0, 0], outputs
+  sizes = "{'train': 1150, 'validation': 50, 'test': 423}\n"
+  assert outputs[0][0] == sizes
+  assert outputs[1][0] == sizes, outputs[1]  # Not prepared again: read from the cache.
+  assert waiting in seen and 'Omniglot loaded from cache' in outputs[1][1], seen + outputs[1][1]
+
+
+def test_a_cache_folder_that_cannot_be_written(tmp_path, monkeypatch, caplog):
+  """Was a 38-line PermissionError traceback, the images read thrown away: now a warning
+  naming the folder and the fix, and the run goes on with the images in memory."""
+  blank = {s: np.zeros((len(ids), 20, 2, 2, 1), np.uint8)
+           for s, ids in omniglot.class_split().items()}
+  monkeypatch.setattr(omniglot, '_prepare_locked', lambda *args: None)  # Prepared earlier.
+  monkeypatch.setattr(omniglot, '_read_omniglot', lambda *args: blank)
+  folder = tmp_path / 'cht_jax_cache'
+  folder.write_text('')  # Not a folder: cannot be written, even by root.
+  out = omniglot.load_omniglot(str(tmp_path), None, image_size=2)
+  assert out is blank
+  warnings = [r.getMessage() for r in caplog.records if r.levelname == 'WARNING']
+  assert any(f'Could not write the cache {folder}/omniglot_ht_2022_2.npz' in w and
+             'going on with the images in memory' in w and f'Make {folder} a folder' in w
+             for w in warnings), warnings
+  assert any(w.startswith(f'Cannot lock {folder}/prepare.lock') for w in warnings), warnings
 
 
 

@@ -6,6 +6,9 @@
 * `load_omniglot` returns uint8 [C, 20, H, W, 1] per split, cached as `.npz`
   under `<data_dir>/cht_jax_cache/`: grey, or with `binarize=True` 0 and 255
   as the original HT's NumPy cache holds them (see `binarize_images`).
+* Both prepare under `preparation_lock` (`<data_dir>/cht_jax_cache/prepare.lock`):
+  of two processes sharing a data dir, the second waits and then reads what the
+  first made.
 
 Class ids are TFDS's `label`, a global id from the file names (`XXXX_YY.png`):
 the 964 background characters are 0..963, the 659 evaluation ones 964..1622,
@@ -16,15 +19,21 @@ Also holds what all data loaders share: `DataError` and `download_and_prepare`.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
+import glob
 import hashlib
 import os
 import random
 import re
 import shutil
+import socket
+import sys
 import tempfile
 import time
 import zipfile
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from absl import logging
 import numpy as np
@@ -46,6 +55,8 @@ ARCHIVES = (
 SUMS_FILENAME = 'SHA256SUMS'
 _UPSTREAM_URL = 'https://github.com/brendenlake/omniglot/raw/master/python/'
 _CACHE_DIRNAME = 'cht_jax_cache'
+_LOCK_NAME = 'prepare.lock'
+_EXTRACT_PREFIX = 'cht_jax_extract_'
 _TFDS_GCS_URL = 'https://storage.googleapis.com/tfds-data/'
 _PROBE_TIMEOUT_S = 10
 
@@ -106,8 +117,13 @@ def download_and_prepare(builder, failure: str, fix: str, **kwargs) -> None:
   """`builder.download_and_prepare(**kwargs)`, its failure a one-paragraph DataError.
 
   TFDS errors are often pages long; this raises `failure (first line). fix`
-  instead. A DataError of our own builders passes as it is.
+  instead. A DataError of our own builders passes as it is. TFDS's progress
+  bars are turned off unless stderr is a terminal: in a log file each redraw
+  is a line, hundreds of thousands of them.
   """
+  if not getattr(sys.stderr, 'isatty', lambda: False)():
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    tfds.disable_progress_bar()
   try:
     builder.download_and_prepare(**kwargs)
   except DataError:
@@ -191,6 +207,68 @@ def _unreachable(urls: Sequence[str]) -> str | None:
   return '; '.join(reasons)
 
 
+@contextlib.contextmanager
+def preparation_lock(root: str) -> Iterator[None]:
+  """Holds `<root>/cht_jax_cache/prepare.lock` (flock) for the block: one process at a time
+  prepares or caches data in `root`; another waits (saying so), then finds it ready. The
+  kernel releases the lock when its holder dies, so a killed run leaves none held. Where
+  the lock cannot be taken (a data dir that cannot be written, a file system without
+  flock), the block runs without it, with a warning."""
+  fd = _lock(os.path.join(root, _CACHE_DIRNAME, _LOCK_NAME), root)
+  try:
+    yield
+  finally:
+    if fd is not None:
+      os.close(fd)  # Releases the lock.
+
+
+def _lock(path: str, root: str) -> int | None:
+  """The file descriptor of the lock file `path` (created if need be), locked; None, with a
+  warning, where it cannot be."""
+  fd = None
+  try:
+    if '://' in path:  # gs:// and the like: no local file to lock.
+      raise OSError('not on a local file system')
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # The umask's permissions.
+    except PermissionError:
+      fd = os.open(path, os.O_RDONLY)  # Another user's: flock needs no write access.
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.pread(fd, 200, 0).decode(errors='replace').strip() or 'unknown'
+      logging.info('Waiting for another process preparing %s (%s; lock %s).', root, holder,
+                   path)
+      start = time.time()
+      fcntl.flock(fd, fcntl.LOCK_EX)
+      logging.info('Waited %.0f s for %s.', time.time() - start, path)
+  except OSError as e:
+    if fd is not None:
+      os.close(fd)
+    logging.warning('Cannot lock %s (%s: %s): going on without it, so another process '
+                    'preparing the data there at the same time could disturb this one.',
+                    path, type(e).__name__, e.strerror or e)
+    return None
+  with contextlib.suppress(OSError):  # Another user's lock file (read-only): not named.
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (f'host {socket.gethostname()}, process {os.getpid()}, since '
+                   f'{datetime.datetime.now().isoformat(timespec="seconds")}\n').encode(), 0)
+  return fd
+
+
+def _remove_stale_preparations(builder) -> None:
+  """Removes what an interrupted preparation left: TFDS's `incomplete.*` folders beside the
+  dataset's version folders, and our extraction folders. Only under `preparation_lock`,
+  whose holder alone prepares: any such folder is a dead process's."""
+  root = os.fspath(builder.data_dir_root)
+  stale = (glob.glob(os.path.join(os.path.dirname(os.fspath(builder.data_dir)), 'incomplete.*'))
+           + glob.glob(os.path.join(root, 'downloads', _EXTRACT_PREFIX + '*')))
+  for path in filter(os.path.isdir, stale):
+    logging.info('Removing %s, left by an interrupted preparation.', path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
   """Makes sure the TFDS `omniglot` dataset is prepared in `data_dir` (None: default).
 
@@ -200,14 +278,28 @@ def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
   `url_infos`. With none, TFDS downloads, unless neither the upstream server
   nor TFDS's GCS bucket answers a HEAD request: then this fails at once
   (TFDS would retry for minutes). A DataError where an archive is missing or
-  corrupt, or the download failed.
+  corrupt, or the download failed. Prepares under `preparation_lock`, after
+  removing what an interrupted preparation left.
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   builder = tfds.builder('omniglot', data_dir=data_dir)
-  if builder.is_prepared():
+  if builder.is_prepared():  # Without the lock: a data dir others prepared may be read-only.
     logging.info('Omniglot already prepared in %s.', builder.data_dir)
     return
+  with preparation_lock(_data_dir_root(data_dir)):
+    _prepare_locked(data_dir, manual_dir)
+
+
+def _prepare_locked(data_dir: str | None, manual_dir: str | None) -> None:
+  """`prepare_omniglot` where the caller holds `preparation_lock`."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  builder = tfds.builder('omniglot', data_dir=data_dir)
+  if builder.is_prepared():  # By the process this one waited for, or long ago.
+    logging.info('Omniglot already prepared in %s.', builder.data_dir)
+    return
+  _remove_stale_preparations(builder)
   root = os.fspath(builder.data_dir_root)
   folders = [os.path.join(root, 'downloads', 'manual')]
   if manual_dir:
@@ -221,7 +313,7 @@ def prepare_omniglot(data_dir: str | None, manual_dir: str | None) -> None:
     offline = _offline_builder(data_dir, url_infos)
     # Extract into a fresh scratch folder, removed afterwards (32k PNGs).
     os.makedirs(os.path.join(root, 'downloads'), exist_ok=True)
-    extract_dir = tempfile.mkdtemp(prefix='cht_jax_extract_', dir=os.path.join(root, 'downloads'))
+    extract_dir = tempfile.mkdtemp(prefix=_EXTRACT_PREFIX, dir=os.path.join(root, 'downloads'))
     try:
       download_and_prepare(
           offline, f'Could not prepare Omniglot from the archives in {folder} into {root}',
@@ -407,20 +499,34 @@ def load_omniglot(
   if binarize:
     return _load_binarized(data_dir, manual_dir, split_scheme, split_seed, image_size,
                            images_per_class, allow_incomplete_classes, use_cache)
-  if use_cache:
-    # Before TFDS is imported: a cached run needs no TensorFlow (GPU images often lack it).
-    cache = _cache_path(_data_dir_root(data_dir), split_scheme, split_seed, image_size)
-    out = _read_cache(cache, 'Omniglot')
-    if out is not None:
-      return out
+  if not use_cache:
+    prepare_omniglot(data_dir, manual_dir)
+    return _read_omniglot(data_dir, splits, image_size, images_per_class,
+                          allow_incomplete_classes)
+  # Before TFDS is imported: a cached run needs no TensorFlow (GPU images often lack it).
+  root = _data_dir_root(data_dir)
+  cache = _cache_path(root, split_scheme, split_seed, image_size)
+  out = _read_cache(cache, 'Omniglot')
+  if out is not None:
+    return out
+  with preparation_lock(root):
+    out = _read_cache(cache, 'Omniglot')  # Made by the process this one waited for?
+    if out is None:
+      _prepare_locked(data_dir, manual_dir)
+      out = _read_omniglot(data_dir, splits, image_size, images_per_class)
+      _save_cache(cache, out, 'Omniglot')
+  return out
 
+
+def _read_omniglot(data_dir: str | None, splits: dict[str, np.ndarray], image_size: int,
+                   images_per_class: int = IMAGES_PER_CLASS,
+                   allow_incomplete_classes: bool = False) -> dict[str, np.ndarray]:
+  """The class images of `splits` from the prepared TFDS `omniglot` (see `load_omniglot`)."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  builder = tfds.builder('omniglot', data_dir=data_dir)
-  cache = _cache_path(os.fspath(builder.data_dir_root), split_scheme, split_seed, image_size)
-  start = time.time()
-  prepare_omniglot(data_dir, manual_dir)
+
   builder = tfds.builder('omniglot', data_dir=data_dir)
   strict = not allow_incomplete_classes
+  start = time.time()
   train_images, train_labels = _read_split(builder, 'train', image_size)
   test_images, test_labels = _read_split(builder, 'test', image_size)
   logging.info('Read %d + %d Omniglot images in %.1f s.', len(train_labels), len(test_labels),
@@ -430,16 +536,27 @@ def load_omniglot(
       np.concatenate([train_images, test_images]), np.concatenate([train_labels, test_labels]),
       images_per_class, allow_incomplete_classes)
   out = {s: _select(class_ids, class_images, ids, s, strict) for s, ids in splits.items()}
-  complete = (len(class_ids) == NUM_CLASSES and
-              all(len(out[s]) == len(splits[s]) for s in SPLITS))
-  if strict and not complete:
+  if strict and len(class_ids) != NUM_CLASSES:
     raise DataError(f'Expected {NUM_CLASSES} Omniglot classes, found {len(class_ids)}.')
-  if use_cache and complete and builder.is_prepared():
-    _save_npz(cache, out)
-    logging.info('Omniglot cached to %s.', cache)
-  logging.info('Omniglot %s split: %s classes in %.1f s.', split_scheme,
-               {s: len(v) for s, v in out.items()}, time.time() - start)
+  logging.info('Omniglot split: %s classes in %.1f s.', {s: len(v) for s, v in out.items()},
+               time.time() - start)
   return out
+
+
+def _save_cache(cache: str, out: dict[str, np.ndarray], what: str) -> None:
+  """`_save_npz`, or where the cache folder cannot be written, a warning: the run goes on
+  with the images in memory."""
+  try:
+    _save_npz(cache, out)
+  except OSError as e:
+    folder = os.path.dirname(cache)
+    logging.warning(
+        'Could not write the cache %s (%s: %s): going on with the images in memory; each run '
+        'reads them again until it can be written. Make %s a folder you can write, or set '
+        'data.data_dir to one where you can (with a copy of its omniglot folder).', cache,
+        type(e).__name__, e.strerror or e, folder)
+    return
+  logging.info('%s cached to %s.', what, cache)
 
 
 def _read_cache(cache: str, what: str) -> dict[str, np.ndarray] | None:
@@ -469,6 +586,5 @@ def _load_binarized(data_dir, manual_dir, split_scheme, split_seed, image_size,
   # Only beside a grey cache, which exists once the data passed every check.
   if use_cache and os.path.exists(_cache_path(
       _data_dir_root(data_dir), split_scheme, split_seed, image_size)):
-    _save_npz(cache, out)
-    logging.info('Binarised Omniglot cached to %s.', cache)
+    _save_cache(cache, out, 'Binarised Omniglot')
   return out
