@@ -166,11 +166,20 @@ def _check_spec(spec: episodes_lib.EpisodeSpec, class_images, split: str) -> Non
                                       ', or use --eval_split=test (more classes).')) from None
 
 
-def map_episodes(evaluate_batch, params, class_images, protocol: Protocol,
-                 num_episodes: int, what: str = 'episodes') -> tuple[Any, dict[str, Any]]:
+def images_mesh(class_images) -> jax.sharding.Mesh:
+  """The mesh `class_images` are placed on (training's, for validation), else every device:
+  where `make_evaluate_batch` must split the episodes."""
+  sharding = getattr(class_images, 'sharding', None)
+  if isinstance(sharding, jax.NamedSharding):
+    return sharding.mesh
+  return devices.data_mesh()
+
+
+def map_episodes(evaluate_batch, params, class_images, protocol: Protocol, num_episodes: int,
+                 mesh: jax.sharding.Mesh, what: str = 'episodes') -> tuple[Any, dict[str, Any]]:
   """(outputs of episodes 0..num_episodes-1 of `protocol`'s seed, leaves [E, ...]; timing):
-  `evaluate_batch` from `make_evaluate_batch`, run in batches of `protocol.batch_size`."""
-  num_shards = jax.device_count()
+  `evaluate_batch` from `make_evaluate_batch` over `mesh`, in batches of `protocol.batch_size`."""
+  num_shards = mesh.devices.size
   class_images = jnp.asarray(class_images)
   # Uncommitted copies: restored parameters sit on one device, the batch may span several.
   params = jax.tree.map(jnp.asarray, jax.device_get(params))
@@ -210,9 +219,10 @@ def run_protocol(method: methods.Method, params, class_images, protocol: Protoco
   [E, T, T] per-episode accuracies (NaN above the diagonal), and 'timing'."""
   spec = spec or evaluation_spec(method.config, protocol)
   _check_spec(spec, class_images, protocol.split)
-  evaluate_batch = make_evaluate_batch(method, spec, protocol.num_query_draws, vectorize)
+  mesh = images_mesh(class_images)
+  evaluate_batch = make_evaluate_batch(method, spec, protocol.num_query_draws, vectorize, mesh)
   outputs, timing = map_episodes(evaluate_batch, params, class_images, protocol,
-                                 protocol.num_episodes)
+                                 protocol.num_episodes, mesh)
   pairs = continual.TaskPairs.lower_triangle(spec.num_tasks)
   result = {'timing': timing}
   for name, per_pair in zip(('task_incremental', 'class_incremental'), outputs):
@@ -241,10 +251,11 @@ def run_specificity(method: methods.Method, params, class_images, protocol: Prot
   (theta_a of every pair, leaves [N, ...])."""
   spec = (spec or evaluation_spec(method.config, protocol))._replace(num_tasks=2)
   _check_spec(spec, class_images, protocol.split)
-  evaluate_batch = make_evaluate_batch(method, spec, protocol.num_query_draws, vectorize,
+  mesh = images_mesh(class_images)
+  evaluate_batch = make_evaluate_batch(method, spec, protocol.num_query_draws, vectorize, mesh,
                                        measure='specificity')
   (own, swapped, theta), _ = map_episodes(evaluate_batch, params, class_images, protocol,
-                                          num_specificity_pairs(protocol), 'pairs of tasks')
+                                          num_specificity_pairs(protocol), mesh, 'pairs of tasks')
   return {'own': own.astype(np.float64), 'swapped': swapped.astype(np.float64), 'theta': theta}
 
 

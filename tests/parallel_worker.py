@@ -4,7 +4,7 @@
 episodes over a mesh of the first N devices, each looping over its episodes, and over
 a mesh of one device; then over M devices vmapping them (`model.vectorize`), and over
 one. It prints one JSON line: per way, the two steps' metrics and largest differences,
-and the one-device loop against the one-device vmap.
+and the one-device loop against the one-device vmap; and the validation of a one-device run.
 """
 
 import json
@@ -95,6 +95,13 @@ def main():
       'update_diff_norm': norm(loop_params, vmap_params),
       'update_norm': norm(vmap_params, initial.params),
   }
+  # Validation of a run whose step uses fewer devices than the process has (one episode a
+  # step on a CPU of many cores): it evaluates on the mesh its images were put on.
+  validate = train.make_validation(methods.build(config),
+                                   jax.device_put(images, jax.NamedSharding(meshes[1], jax.P())))
+  report['validation_on_one_device'] = {k: float(v) for k, v in validate(
+      jax.device_put(initial.params, jax.NamedSharding(meshes[1], jax.P())),
+      jax.random.key(1)).items()}
   print(json.dumps(report), flush=True)
 
 

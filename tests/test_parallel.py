@@ -37,3 +37,6 @@ def test_sharded_step_equals_single_device_and_loop_equals_vmap():
     np.testing.assert_allclose(*same[name], rtol=1e-5, err_msg=name)
   assert same['update_norm'] > 0, same
   assert same['update_diff_norm'] < 1e-4 * same['update_norm'], same  # float32 sums reordered.
+  validation = report['validation_on_one_device']
+  assert {'loss', 'specificity_own', 'specificity_difference'} <= set(validation), validation
+  assert 0 <= validation['specificity_own'] <= 1, validation
