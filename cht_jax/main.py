@@ -30,6 +30,7 @@ from cht_jax import train
 from cht_jax.runtime import checkpoints
 from cht_jax.runtime import devices
 from cht_jax.runtime import preemption
+from cht_jax.runtime import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
 _STOPPING = threading.Lock()
@@ -39,8 +40,8 @@ flags.DEFINE_enum('mode', 'train', ['train', 'eval'],
                   'train, or eval: the evaluation protocol on a checkpoint of --workdir.')
 # --mode=eval (defaults: the paper's protocol; see cht_jax/evaluate.py).
 flags.DEFINE_integer('checkpoint_step', None, 'Checkpoint step to evaluate; default latest.')
-flags.DEFINE_integer('eval_tasks', None, 'T_eval, tasks per episode; default the '
-                     "config's episode.num_tasks (more extrapolates).")
+flags.DEFINE_integer('eval_tasks', None, 'T_eval, tasks per episode; default the trained '
+                     'T, from the workdir (more extrapolates).')
 flags.DEFINE_enum('eval_split', 'test', ['test', 'validation', 'train'],
                   'Classes to evaluate on (train: the generalisation gap).')
 flags.DEFINE_integer('eval_episodes', 1024, 'Evaluation episodes.')
@@ -66,6 +67,9 @@ flags.DEFINE_integer('heartbeat_timeout_seconds', 100, 'With --distributed: a pr
                      'this long is taken for lost, and the others stop.')
 flags.DEFINE_integer('coordinator_timeout_seconds', 180, 'With --distributed: how long to '
                      'wait for the coordinator and the other processes to join the job.')
+flags.DEFINE_bool('accept_config_changes', False, 'Resume a workdir with --config.* overrides '
+                  'that change its run from here on (recorded in config_history.jsonl); '
+                  'without it only steps, cadences, data paths and compute options change.')
 config_flags.DEFINE_config_file('config', None, 'A config file (see configs/).',
                                 lock_config=True)
 flags.mark_flags_as_required(['config'])
@@ -179,6 +183,10 @@ def main(argv):
                jax.process_index(), jax.process_count(), jax.devices())
   try:
     config = config_validation.validate(FLAGS.config)
+    # The workdir's record is the run's config (runtime/workdir.py).
+    config = config_validation.validate(workdir_lib.run_config(
+        workdir, config, FLAGS.mode, config_flags.get_override_values(FLAGS['config']),
+        FLAGS.accept_config_changes))
     logging.info('Config:\n%s', config)
     if FLAGS.mode == 'eval':
       evaluate.evaluate_checkpoint(

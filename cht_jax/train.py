@@ -236,7 +236,7 @@ def _train(config, workdir, dataset) -> dict[str, float]:
       dataset = datasets.load_dataset(config)
     methods.check_training_episodes(method, dataset)
     state = checkpoints.restore_or_init(manager, init(init_key), config)
-    workdir_lib.write_config(workdir, config)
+    workdir_lib.record_start(workdir, config, int(state.step))
     log = workdir_lib.MetricsLog(workdir)
     log.drop_after(int(state.step))
     with preemption.SignalFlag() as signals:  # Until here SIGTERM just ends the process.

@@ -8,12 +8,21 @@ import sys
 from conftest import REPO_ROOT
 
 
-def run_main(workdir, data_dir, *overrides, config='configs/omniglot_t2.py:tiny'):
+def start_main(workdir, data_dir, *overrides, config='configs/omniglot_t2.py:tiny'):
   command = [sys.executable, '-m', 'cht_jax.main', f'--config={config}',
              f'--workdir={workdir}', f'--config.data.data_dir={data_dir}', *overrides]
-  result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+  return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+
+
+def run_main(workdir, data_dir, *overrides, config='configs/omniglot_t2.py:tiny'):
+  result = start_main(workdir, data_dir, *overrides, config=config)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stderr
+
+
+def read_history(workdir):
+  with open(os.path.join(workdir, 'config_history.jsonl')) as f:
+    return [json.loads(line) for line in f]
 
 
 def read_metrics(workdir):
@@ -48,7 +57,15 @@ def test_main_runs_a_table1_baseline(tmp_path, prepared_omniglot):
   config = 'configs/baselines_table1.py:finetune,2,tiny'
   run_main(workdir, prepared_omniglot, '--config.train.eval_every_steps=0', config=config)
   assert sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))) == [2, 4]
-  run_main(workdir, prepared_omniglot, '--mode=eval', '--eval_episodes=2',
-           '--eval_query_draws=1', config=config)
+  # Evaluated with the config of another T: the workdir's record says what was trained,
+  # and the evaluation's T defaults to it (issue 56).
+  log = run_main(workdir, prepared_omniglot, '--mode=eval', '--eval_episodes=2',
+                 '--eval_query_draws=1', config='configs/baselines_table1.py:finetune,3,tiny')
+  assert (f'Evaluating the model trained in {workdir} as its record says: finetune, T=2 '
+          'tasks of 3-way 1-shot') in log
+  assert 'over the config given: episode.num_tasks 2 (the config given: 3)' in log
   with open(os.path.join(workdir, 'eval', 'test_T2_step4.json')) as f:
-    assert json.load(f)['method'] == 'Pretraining + fine-tuning'
+    saved = json.load(f)
+  assert saved['method'] == 'Pretraining + fine-tuning'
+  assert saved['num_tasks'] == saved['trained_tasks'] == 2
+  assert not os.path.exists(os.path.join(workdir, 'eval', 'test_T3_step4.json'))

@@ -470,6 +470,64 @@ def test_checkpoint_of_another_config_is_refused_before_any_work(tmp_path):
   assert not (tmp_path / 'none').exists()
 
 
+def test_a_resume_runs_the_recorded_config(tmp_path, caplog):
+  """Issue 56: the workdir's record is the run's config. A new default keeps its recorded
+  value, an override that changes the run is refused naming it (unless accepted), steps
+  and cadences apply; config.json stays the first start's, each start a history row."""
+  workdir = str(tmp_path)
+  workdir_lib.record_start(workdir, tiny_config(**{'data.binarize': False}), 0)
+  started_with = (tmp_path / 'config.json').read_text()
+  now = tiny_config(**{'train.num_steps': 6})  # binarize: True, the configs' default now.
+  resumed = workdir_lib.run_config(workdir, now, 'train', {'train.num_steps': 6})
+  assert resumed.data.binarize is False and resumed.train.num_steps == 6
+  assert 'data.binarize False (the config given: True)' in caplog.text
+
+  with pytest.raises(workdir_lib.ConfigChangeError) as error:
+    workdir_lib.run_config(workdir, now, 'train', {'data.binarize': True})
+  assert str(error.value).startswith(f'{workdir} holds a run that started with other '
+                                     'settings: data.binarize False -> True. ')
+  accepted = workdir_lib.run_config(workdir, now, 'train', {'data.binarize': True}, True)
+  assert accepted.data.binarize is True
+  workdir_lib.record_start(workdir, accepted, 4)
+  assert (tmp_path / 'config.json').read_text() == started_with
+  rows = [json.loads(line) for line in open(tmp_path / 'config_history.jsonl')]
+  assert [(row['step'], row['changes']) for row in rows] == [
+      (0, {}), (4, {'data.binarize': [False, True], 'train.num_steps': [4, 6]})]
+  # The record now holds the accepted change: the same command resumes without a word.
+  assert workdir_lib.run_config(workdir, now, 'train', {'data.binarize': True}) == accepted
+
+  # A record older than a field: the value that did what the code did then, else refused.
+  old = json.loads(started_with)
+  del old['episode']['independent_draws'], old['optim']['decay_rate']
+  (tmp_path / 'config_history.jsonl').unlink()
+  (tmp_path / 'config.json').write_text(json.dumps(old))
+  now = tiny_config(**{'data.binarize': False, 'episode.independent_draws': True})
+  with pytest.raises(workdir_lib.ConfigChangeError, match=re.escape(
+      'settings: optim.decay_rate (absent) -> 0.97 (the record predates the field). ')) as error:
+    workdir_lib.run_config(workdir, now, 'train')
+  assert ('--accept_config_changes to change this run from here on (it would also change '
+          'episode.independent_draws False -> True), recorded in') in str(error.value)
+  old['optim']['decay_rate'] = 0.97
+  (tmp_path / 'config.json').write_text(json.dumps(old))
+  assert workdir_lib.run_config(workdir, now, 'train').episode.independent_draws is False
+
+
+def test_evaluation_takes_the_trained_settings_from_the_record(tmp_path, caplog):
+  """Issue 56: a config of another T (or width, or data) evaluates the recorded model."""
+  from configs import omniglot_t3  # pylint: disable=g-import-not-at-top
+  caplog.set_level('INFO', logger='absl')
+  workdir = str(tmp_path)
+  workdir_lib.record_start(workdir, tiny_config(), 0)
+  given = override(omniglot_t3.get_config('tiny'), {'data.data_dir': '/elsewhere'})
+  config = workdir_lib.run_config(workdir, given, 'eval')
+  assert config.episode.num_tasks == 2 and config.episode.independent_draws is False
+  assert config.data.data_dir == '/elsewhere'  # Where the data lie now: the config's.
+  assert (f'Evaluating the model trained in {workdir} as its record says: cht, T=2 tasks of '
+          '3-way 1-shot, model.channels=8, omniglot 16x16 binarised.') in caplog.text
+  assert ('over the config given: episode.independent_draws False (the config given: '
+          'True), episode.num_tasks 2 (the config given: 3).') in caplog.text
+
+
 def test_unwritable_workdir(tmp_path):
   blocker = tmp_path / 'a_file'
   blocker.write_text('')

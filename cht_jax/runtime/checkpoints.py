@@ -3,7 +3,6 @@
 Every failure here is a `CheckpointError` naming the folder, the cause and what to do.
 """
 
-import json
 import logging as std_logging
 import os
 import re
@@ -18,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from cht_jax.runtime import devices
+from cht_jax.runtime import workdir as workdir_lib
 
 
 class CheckpointError(RuntimeError):
@@ -78,28 +78,14 @@ def mismatches(metadata, abstract) -> list[str]:
 
 
 def _config_changes(workdir: str, config) -> str:
-  """The fields where `config` differs from `<workdir>/config.json`, or ''."""
-  path = os.path.join(workdir, 'config.json')
-  try:
-    with open(path) as f:
-      saved = _flat_dict(json.load(f))
-  except (OSError, ValueError):  # No record of the earlier config: nothing to compare.
+  """' Fields that differ from ...: model.channels 8 -> 16.' where `config` differs from
+  the workdir's record (`workdir.config_changes`), or ''."""
+  recorded = workdir_lib.recorded_config(workdir)
+  if recorded is None or config is None:  # No record of the run's config: nothing to compare.
     return ''
-  if config is None:
-    return ''
-  now = _flat_dict(json.loads(config.to_json_best_effort()))
-  changes = [f'{k} {saved.get(k, "(absent)")!r} -> {now.get(k, "(absent)")!r}'
-             for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)]
-  return (' Fields that differ from the config of the last run in this workdir: '
-          + ', '.join(changes) + '.') if changes else ''
-
-
-def _flat_dict(tree: dict, prefix: str = '') -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    out.update(_flat_dict(value, f'{prefix}{key}.') if isinstance(value, dict)
-               else {f'{prefix}{key}': value})
-  return out
+  changes = workdir_lib.config_changes(recorded, config)
+  return (' Fields that differ from the config of the run in this workdir: '
+          + workdir_lib.describe(changes) + '.') if changes else ''
 
 
 def root_cause(error: BaseException) -> str:

@@ -1,7 +1,8 @@
 """The workdir of a run: checked before anything is read, its lock, config record and metrics.
 
   <workdir>/run.lock        held by the training run using the workdir (`RunLock`)
-  <workdir>/config.json     the config of the last run (written atomically)
+  <workdir>/config.json     the config the run started with, never overwritten
+  <workdir>/config_history.jsonl  one row per start: when, the step, the config, what changed
   <workdir>/metrics.jsonl   one JSON row per logged step and split, for scripts
   <workdir>/events.out.*    the same scalars for TensorBoard
   <workdir>/checkpoints/    Orbax (cht_jax/runtime/checkpoints.py)
@@ -249,9 +250,249 @@ class _EventFileWriter(_NoEventsWriter):
     self._writer.close()
 
 
-def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-  """`<workdir>/config.json`: what `api.load_config` and resume mismatch messages read."""
-  write_atomically(os.path.join(workdir, 'config.json'), config.to_json_best_effort())
+# ====== The run's record: the config it started with, and every start since ===========
+
+CONFIG_NAME = 'config.json'
+HISTORY_NAME = 'config_history.jsonl'
+
+# Fields that cannot change what a run means: how long it runs, how often it logs,
+# validates and checkpoints, where its data lie, how its math is computed. A resume
+# applies them (and records them); any other change needs --accept_config_changes.
+OPERATIONAL_FIELDS = frozenset({
+    'train.num_steps', 'train.log_every_steps', 'train.checkpoint_every_steps',
+    'train.keep_checkpoints', 'train.eval_every_steps', 'train.eval_episodes',
+    'train.on_divergence', 'data.data_dir', 'data.manual_dir',
+    'model.conv_impl', 'model.encoder_impl', 'model.vectorize', 'model.remat'})
+
+# What a field added since meant to a run whose record predates it: the value that does
+# what the code did before the field existed (the readers' `.get` defaults for an old
+# config.json say the same). A field added later must be listed here, or older workdirs
+# refuse to resume until told (`--accept_config_changes`).
+BEFORE_THE_FIELD = {
+    'method': 'cht', 'data.pipeline': 'device', 'data.images_per_class': 20,
+    'data.binarize': False, 'data.augment.flip': False, 'data.augment.hue': 0.0,
+    'data.augment.brightness': 0.0, 'data.augment.contrast': 0.0,
+    'data.augment.crop_min_scale': 1.0, 'episode.unlabeled_per_class': 0,
+    'episode.independent_draws': False, 'model.compute_dtype': 'float32',
+    'model.head_scale': 0.0, 'model.learned_base': 0.0, 'model.feature_norm': False,
+    'model.trained_layers': 0, 'optim.schedule': 'exponential', 'optim.end_fraction': 0.0,
+    'optim.warmup_steps': 0, 'optim.weight_decay': 0.0, 'train.loss_spike_factor': 0.0}
+# Fields that no run older than them read (other methods' and datasets'): this code's
+# value stands for a record without them.
+UNREAD_BEFORE = ('baseline.', 'constpn_ways_multiplier', 'data.check_class_counts',
+                 'data.domains', 'data.domain_split')
+# Fields since removed, with the value that does what this code does (they were off).
+REMOVED_FIELDS = {'label_smoothing': 0.0, 'train.curriculum_steps': 0, 'optim.beta2': 0.999}
+
+
+class ConfigChangeError(WorkdirError):
+  """A resume would change what the workdir's run means."""
+
+
+class _Absent:
+  """The value of a field that one side lacks."""
+
+  def __repr__(self):
+    return '(absent)'
+
+
+ABSENT = _Absent()
+
+
+def _flat(tree: dict, prefix: str = '') -> dict[str, Any]:
+  """{'a': {'b': 1}} -> {'a.b': 1}."""
+  out = {}
+  for key, value in tree.items():
+    out.update(_flat(value, f'{prefix}{key}.') if isinstance(value, dict)
+               else {f'{prefix}{key}': value})
+  return out
+
+
+def _as_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """`config` flat, as its record would hold it (tuples as lists)."""
+  return _flat(json.loads(config.to_json_best_effort()))
+
+
+def recorded_config(workdir: str) -> dict[str, Any] | None:
+  """The config of the run in `workdir`, flat, as its last start recorded it (the original
+  config.json plus what starts since accepted); None where there is no record."""
+  try:
+    with open(os.path.join(workdir, HISTORY_NAME)) as f:
+      rows = [row for row in map(_parse_row, f) if row and 'config' in row]
+    if rows:
+      return _flat(rows[-1]['config'])
+  except OSError:  # No history: config.json alone (a first start, or older code's).
+    pass
+  try:
+    with open(os.path.join(workdir, CONFIG_NAME)) as f:
+      return _flat(json.load(f))
+  except (OSError, ValueError):
+    return None
+
+
+def _recorded_value(recorded: dict[str, Any], field: str, now: dict[str, Any]) -> Any:
+  if field in recorded:
+    return recorded[field]
+  if field in BEFORE_THE_FIELD:
+    return BEFORE_THE_FIELD[field]
+  if field.startswith(UNREAD_BEFORE):
+    return now[field]
+  return ABSENT
+
+
+def config_changes(recorded: dict[str, Any],
+                   config: ml_collections.ConfigDict) -> dict[str, tuple[Any, Any]]:
+  """field -> (the record's value, `config`'s) where they differ; ABSENT where a side
+  lacks the field (a record older than it, with no known value then; a removed field)."""
+  now = _as_json(config)
+  changes = {}
+  for field in sorted(recorded.keys() | now.keys()):
+    old = _recorded_value(recorded, field, now)
+    new = now.get(field, REMOVED_FIELDS.get(field, ABSENT))
+    if old is ABSENT or new is ABSENT or old != new:
+      changes[field] = (old, new)
+  return changes
+
+
+def describe(changes: dict[str, tuple[Any, Any]]) -> str:
+  """'model.channels 8 -> 16, ...'."""
+  return ', '.join(f'{field} {old!r} -> {new!r}' for field, (old, new) in changes.items())
+
+
+def run_config(workdir: str, config: ml_collections.ConfigDict, mode: str,
+               overridden=(), accept: bool = False) -> ml_collections.ConfigDict:
+  """The config to run `mode` ('train' or 'eval') with in `workdir`: `config` where the
+  workdir holds no record, else the record's, the workdir's run being its truth.
+
+  Training applies the OPERATIONAL_FIELDS of `config` and keeps the record's value of any
+  other field where `config` differs by its defaults or file; a field `overridden` on the
+  command line that differs (or one the record cannot tell) raises ConfigChangeError,
+  unless `accept`: then `config` is taken whole. Evaluation takes every field but the
+  operational ones from the record, and says so. Reads only: a start records itself
+  (`record_start`).
+  """
+  recorded = recorded_config(workdir)
+  if recorded is None:
+    if mode == 'eval':
+      logging.info('%s has no %s: evaluating with the config given.', workdir, CONFIG_NAME)
+    return config
+  changes = {field: change for field, change in config_changes(recorded, config).items()
+             if field not in OPERATIONAL_FIELDS}
+  if mode == 'eval':
+    return _evaluated_config(workdir, config, changes)
+  return _resumed_config(workdir, config, changes, overridden, accept)
+
+
+def _resumed_config(workdir, config, changes, overridden, accept):
+  """`run_config` for training."""
+  if accept:  # The config given, whole: a field derived from an override changes with it.
+    if changes:
+      logging.warning('Changing the run of %s from here on (--accept_config_changes): %s.',
+                      workdir, describe(changes))
+    return config
+  by_user = lambda field: any(field == o or field.startswith(o + '.') for o in overridden)
+  refused = {field: (old, new) for field, (old, new) in changes.items()
+             if by_user(field) or ABSENT in (old, new)}
+  kept = {field: change for field, change in changes.items() if field not in refused}
+  if refused:
+    also = f' (it would also change {describe(kept)})' if kept else ''
+    raise ConfigChangeError(
+        f'{os.path.abspath(workdir)} holds a run that started with other settings: '
+        f'{_refused(refused)}. A resume changes only train.num_steps, logging, validation '
+        'and checkpoint cadence, data paths and compute options: drop those --config '
+        'overrides to go on as the run started, use a new --workdir for a new run, or pass '
+        f'--accept_config_changes to change this run from here on{also}, recorded in its '
+        f'{HISTORY_NAME}. Nothing was changed.')
+  if kept:
+    logging.warning('Resuming the run of %s with its recorded settings where this config '
+                    'differs: %s.', workdir, _recorded_over_given(kept))
+  return _with_values(config, {field: old for field, (old, _) in kept.items()})
+
+
+def _refused(changes: dict[str, tuple[Any, Any]]) -> str:
+  """'optim.learning_rate 0.0001 -> 5e-05, data.x (absent) -> 1 (the record predates the
+  field)'."""
+  why = lambda old, new: (' (the record predates the field)' if old is ABSENT else
+                          ' (this code has no such field)' if new is ABSENT else '')
+  return ', '.join(f'{field} {old!r} -> {new!r}{why(old, new)}'
+                   for field, (old, new) in changes.items())
+
+
+def _evaluated_config(workdir, config, changes):
+  """`run_config` for evaluation: the record's settings, said in one line (and one more
+  where the config given differs)."""
+  taken = {field: change for field, change in changes.items() if ABSENT not in change}
+  config = _with_values(config, {field: old for field, (old, _) in taken.items()})
+  logging.info('Evaluating the model trained in %s as its record says: %s.', workdir,
+               _summary(config))
+  if changes:
+    untold = {field: change for field, change in changes.items() if field not in taken}
+    logging.warning('Taken from the record of %s over the config given: %s.%s', workdir,
+                    _recorded_over_given(taken) or 'nothing',
+                    f' Left as given (one side lacks the field): {describe(untold)}.'
+                    if untold else '')
+  return config
+
+
+def _recorded_over_given(changes: dict[str, tuple[Any, Any]]) -> str:
+  """'episode.num_tasks 2 (the config given: 3), ...'."""
+  return ', '.join(f'{field} {old!r} (the config given: {new!r})'
+                   for field, (old, new) in changes.items())
+
+
+def _summary(config: ml_collections.ConfigDict) -> str:
+  """'cht, T=2 tasks of 3-way 1-shot, model.channels=8, omniglot 16x16 binarised, ...'."""
+  ep, data = config.episode, config.data
+  return (f'{config.get("method", "cht")}, T={ep.num_tasks} tasks of {ep.ways}-way '
+          f'{ep.shots}-shot, model.channels={config.model.channels}, {data.dataset} '
+          f'{data.image_size}x{data.image_size}'
+          + (' binarised' if data.get('binarize') else '')
+          + (', independent draws' if ep.get('independent_draws') else ''))
+
+
+def _with_values(config: ml_collections.ConfigDict,
+                 values: dict[str, Any]) -> ml_collections.ConfigDict:
+  """A copy of `config` with the dotted fields of `values` (JSON lists as tuples where
+  `config` has a tuple)."""
+  if not values:
+    return config
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    for dotted, value in values.items():
+      *path, leaf = dotted.split('.')
+      node = config
+      for name in path:
+        node = node[name]
+      if isinstance(node[leaf], tuple) and isinstance(value, list):
+        value = tuple(value)
+      node[leaf] = value
+  return config
+
+
+def record_start(workdir: str, config: ml_collections.ConfigDict, step: int) -> None:
+  """Appends this start (time, host, the step it starts from, the config, what changed
+  since the last start) to config_history.jsonl; writes config.json, the config the run
+  started with, at its first start only."""
+  if jax.process_index() != 0:
+    return
+  recorded = recorded_config(workdir)
+  changes = {} if recorded is None else config_changes(recorded, config)
+  path = os.path.join(workdir, CONFIG_NAME)
+  if not os.path.exists(path):
+    write_atomically(path, config.to_json_best_effort())
+  row = {'started_at': datetime.datetime.now().isoformat(timespec='seconds'),
+         'host': socket.gethostname(), 'step': step,
+         'changes': {field: [repr(old) if old is ABSENT else old,
+                             repr(new) if new is ABSENT else new]
+                     for field, (old, new) in changes.items()},
+         'config': json.loads(config.to_json_best_effort())}
+  history = os.path.join(workdir, HISTORY_NAME)
+  try:
+    with open(history, 'a') as f:
+      f.write(json.dumps(row) + '\n')
+  except OSError as e:
+    raise WorkdirError(f'Cannot append to {history} ({e}). Free disk space or fix the '
+                       'permissions, then rerun the same command.') from None
 
 
 class RunLock:
