@@ -16,7 +16,6 @@ Labels are 0..K-1, every class at least once. The CNN's BatchNorm uses each batc
 """
 
 import functools
-import json
 import os
 import re
 from typing import Any, Callable, NamedTuple
@@ -35,6 +34,7 @@ from cht_jax.data import datasets
 from cht_jax.data import episodes as episodes_lib
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.runtime import checkpoints
+from cht_jax.runtime import workdir as workdir_lib
 
 
 class Model(NamedTuple):
@@ -73,14 +73,15 @@ def model_from_params(config: ml_collections.ConfigDict, params: Any,
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config training saved as `<workdir>/config.json`."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
+  """The config training recorded in `workdir` (`<workdir>/config.json`, with the changes a
+  resume accepted since, `config_history.jsonl`)."""
+  recorded = workdir_lib.recorded_config_tree(workdir)
+  if recorded is None:
     raise FileNotFoundError(
-        f'{path} not found: pass the config the model was trained with, e.g. '
-        "load_model(workdir, omniglot_t5.get_config()) with configs/omniglot_t5.py.")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+        f'{os.path.join(workdir, "config.json")} not found: pass the config the model was '
+        'trained with, e.g. load_model(workdir, omniglot_t5.get_config()) with '
+        'configs/omniglot_t5.py.')
+  return ml_collections.ConfigDict(recorded)
 
 
 def load_model(workdir: str, config: ml_collections.ConfigDict | None = None,

@@ -313,21 +313,27 @@ def _as_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return _flat(json.loads(config.to_json_best_effort()))
 
 
-def recorded_config(workdir: str) -> dict[str, Any] | None:
-  """The config of the run in `workdir`, flat, as its last start recorded it (the original
-  config.json plus what starts since accepted); None where there is no record."""
+def recorded_config_tree(workdir: str) -> dict[str, Any] | None:
+  """The config of the run in `workdir` as its last start recorded it (the original
+  config.json plus what starts since accepted), nested; None where there is no record."""
   try:
     with open(os.path.join(workdir, HISTORY_NAME)) as f:
       rows = [row for row in map(_parse_row, f) if row and 'config' in row]
     if rows:
-      return _flat(rows[-1]['config'])
+      return rows[-1]['config']
   except OSError:  # No history: config.json alone (a first start, or older code's).
     pass
   try:
     with open(os.path.join(workdir, CONFIG_NAME)) as f:
-      return _flat(json.load(f))
+      return json.load(f)
   except (OSError, ValueError):
     return None
+
+
+def recorded_config(workdir: str) -> dict[str, Any] | None:
+  """`recorded_config_tree`, flat ('model.channels': 8)."""
+  tree = recorded_config_tree(workdir)
+  return None if tree is None else _flat(tree)
 
 
 def _recorded_value(recorded: dict[str, Any], field: str, now: dict[str, Any]) -> Any:
