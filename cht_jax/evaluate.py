@@ -37,6 +37,7 @@ from cht_jax.data import episodes as episodes_lib
 from cht_jax.data import omniglot
 from cht_jax.runtime import checkpoints
 from cht_jax.runtime import devices
+from cht_jax.runtime import preemption
 from cht_jax.runtime import workdir as workdir_lib
 
 DEFAULT_SEED = 0  # Evaluation episodes; independent of config.seed.
@@ -145,10 +146,12 @@ def make_evaluate_batch(method: methods.Method, spec: episodes_lib.EpisodeSpec,
 
 def run_protocol(method: methods.Method, params, class_images, protocol: Protocol,
                  spec: episodes_lib.EpisodeSpec | None = None,
-                 vectorize: bool | None = None) -> dict[str, Any]:
+                 vectorize: bool | None = None,
+                 signals: preemption.SignalFlag | None = None) -> dict[str, Any]:
   """The protocol in batches of episodes on uint8 `class_images` [C, M, H, W, D] (`spec`: from
   `evaluation_spec`, None: the config's): 'task_incremental', 'class_incremental' float64
-  [E, T, T] per-episode accuracies (NaN above the diagonal), and 'timing'."""
+  [E, T, T] per-episode accuracies (NaN above the diagonal), and 'timing'. Raises
+  preemption.Preempted before a batch once `signals` has received SIGTERM or SIGINT."""
   spec = spec or evaluation_spec(method.config, protocol)
   evaluate_batch = make_evaluate_batch(method, spec, protocol.num_query_draws, vectorize)
   num_shards = jax.device_count()
@@ -173,6 +176,11 @@ def run_protocol(method: methods.Method, params, class_images, protocol: Protoco
   start = time.perf_counter()
   first_seconds = None
   for b in range(num_batches):
+    if signals is not None and signals.stop_at(b):
+      raise preemption.Preempted(
+          f'Stopped by {signals.name} during the evaluation, after {b * size} of {num} '
+          'episodes; no result file was written or changed. Rerun the same command to '
+          'evaluate.', signals.signum)
     # The last batch is padded with episodes past `num`, dropped below: one compiled shape.
     indices = jnp.arange(b * size, (b + 1) * size, dtype=jnp.int32)
     outputs.append(_fetch(evaluate_batch(params, class_images, key, indices)))
@@ -237,10 +245,12 @@ def summarize(per_episode: dict[str, np.ndarray], trained_tasks: int) -> dict[st
 def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
              class_images: np.ndarray | None = None,
              method: methods.Method | None = None,
-             domain_sizes: tuple[int, ...] = ()) -> dict[str, Any]:
+             domain_sizes: tuple[int, ...] = (),
+             signals: preemption.SignalFlag | None = None) -> dict[str, Any]:
   """Runs the protocol on `params`: the `summarize` dict plus 'protocol', 'episode', 'timing'
   and 'method' (no files). `class_images`: uint8 [C, M, H, W, 1] of the split (None: loaded),
-  with its classes per domain `domain_sizes` (multi-domain); `method`: None to build it."""
+  with its classes per domain `domain_sizes` (multi-domain); `method`: None to build it;
+  `signals`: see `run_protocol`."""
   if config.loss == 'cross_entropy':
     logging.warning('config.loss is cross_entropy: task-incremental accuracy from the '
                     "head's logits, class-incremental from prototypes of the head outputs.")
@@ -251,7 +261,7 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
         f'be evaluated on {protocol.num_tasks}; use --eval_tasks <= {method.max_eval_tasks}.')
   class_images, spec = _split_and_spec(config, protocol, class_images, domain_sizes)
   logging.info('Evaluating %s on %s: %s.', method.display_name, protocol.split, protocol)
-  per_episode = run_protocol(method, params, class_images, protocol, spec)
+  per_episode = run_protocol(method, params, class_images, protocol, spec, signals=signals)
   results = summarize(per_episode, trained_tasks=method.trained_tasks(protocol.num_tasks))
   results.update(protocol=dataclasses.asdict(protocol), episode=spec._asdict(),
                  timing=per_episode['timing'], method=method.display_name)
@@ -280,7 +290,24 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
                         **protocol_overrides) -> tuple[dict[str, Any], list[str]]:
   """(results, written paths) of the protocol on a checkpoint of `workdir` (`step` None: latest);
   `embeddings` 'umap' or 'pca' adds `<prefix>_embeddings.png`; `dataset`: split -> uint8 class
-  images (None: loaded). Headline numbers also go to metrics.jsonl as `eval_<split>_T<T>`."""
+  images (None: loaded). Headline numbers also go to metrics.jsonl as `eval_<split>_T<T>`.
+  SIGTERM and SIGINT stop it before the results are written (preemption.Preempted); a failed
+  evaluation leaves no folder it made."""
+  folder = os.path.join(os.path.abspath(workdir), 'eval')  # reports.check_writable's.
+  created = [folder] if jax.process_index() == 0 and not os.path.isdir(folder) else []
+  try:
+    with preemption.SignalFlag(  # Until here SIGTERM just ends the process.
+        stopping='stopping the evaluation before its next batch of episodes',
+        exiting='without writing results') as signals:
+      return _evaluate_checkpoint(config, workdir, step, plot, embeddings, dataset, signals,
+                                  protocol_overrides)
+  finally:
+    workdir_lib.remove_if_empty(created)
+
+
+def _evaluate_checkpoint(config, workdir, step, plot, embeddings, dataset, signals,
+                         protocol_overrides):
+  """`evaluate_checkpoint` within its signal handlers."""
   method = methods.build(config, None if dataset is None else len(dataset['train']))
   params, step = restore_params(workdir, config, step, method)
   if jax.process_index() == 0:  # The one writer of the results (below), checked first.
@@ -288,7 +315,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   protocol = default_protocol(config, **protocol_overrides)
   class_images = None if dataset is None else dataset[protocol.split]
   domain_sizes = () if dataset is None else dataset.get('domain_sizes', {}).get(protocol.split, ())
-  results = evaluate(config, params, protocol, class_images, method, domain_sizes)
+  results = evaluate(config, params, protocol, class_images, method, domain_sizes, signals)
   results.update(workdir=os.path.abspath(workdir), step=step,
                  config=json.loads(config.to_json_best_effort()))
   prefix = reports.result_prefix(workdir, protocol, step)
