@@ -38,6 +38,7 @@ from cht_jax.data import omniglot
 from cht_jax.runtime import checkpoints
 from cht_jax.runtime import devices
 from cht_jax.runtime import preemption
+from cht_jax.runtime import progress as progress_lib
 from cht_jax.runtime import workdir as workdir_lib
 
 DEFAULT_SEED = 0  # Evaluation episodes; independent of config.seed.
@@ -175,6 +176,7 @@ def run_protocol(method: methods.Method, params, class_images, protocol: Protoco
   outputs = []
   start = time.perf_counter()
   first_seconds = None
+  progress = progress_lib.Progress(num, 'episodes')
   for b in range(num_batches):
     if signals is not None and signals.stop_at(b):
       raise preemption.Preempted(
@@ -184,13 +186,14 @@ def run_protocol(method: methods.Method, params, class_images, protocol: Protoco
     # The last batch is padded with episodes past `num`, dropped below: one compiled shape.
     indices = jnp.arange(b * size, (b + 1) * size, dtype=jnp.int32)
     outputs.append(_fetch(evaluate_batch(params, class_images, key, indices)))
-    if first_seconds is None:
-      first_seconds = time.perf_counter() - start
     done = min((b + 1) * size, num)
-    if b == num_batches - 1 or (b + 1) % max(1, num_batches // 10) == 0:
-      elapsed = time.perf_counter() - start
-      logging.info('Evaluated %d/%d episodes, %.1f s, %.2f episodes/s.', done, num,
-                   elapsed, done / elapsed)
+    if first_seconds is None:  # Compilation included: the speed is measured after it.
+      first_seconds = time.perf_counter() - start
+      progress.restart(done)
+    if (b == num_batches - 1 or (b + 1) % max(1, num_batches // 10) == 0
+        or progress.due()):  # Every tenth, and at least every 30 s.
+      logging.info('Evaluated %d/%d episodes, %.1f s, %s.', done, num,
+                   time.perf_counter() - start, progress.status(done))
   total = time.perf_counter() - start
   steady = (num_batches - 1) * size
   rate = steady / (total - first_seconds) if steady else num / total

@@ -505,7 +505,8 @@ def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
   assert sorted(os.listdir(workdir)) == ['checkpoints']
   result = run_eval(workdir, prepared_omniglot, *flags)  # The same command.
   assert result.returncode == 0, result.stderr[-3000:]
-  assert 'episodes/s' in result.stderr
+  assert re.search(r'Evaluated 6/6 episodes, [0-9.]+ s, [0-9.e+-]+ episodes/s, 0 s left',
+                   result.stderr), result.stderr[-3000:]
   prefix = os.path.join(workdir, 'eval', 'test_T3_step2')
   for ext in ('.json', '.csv', '.md', '.png'):
     assert os.path.getsize(prefix + ext) > 0
