@@ -37,6 +37,8 @@ from cht_jax.data import episodes as episodes_lib
 from cht_jax.data import omniglot
 from cht_jax.runtime import checkpoints
 from cht_jax.runtime import devices
+from cht_jax.runtime import preemption
+from cht_jax.runtime import progress as progress_lib
 from cht_jax.runtime import workdir as workdir_lib
 
 DEFAULT_SEED = 0  # Evaluation episodes; independent of config.seed.
@@ -176,9 +178,11 @@ def images_mesh(class_images) -> jax.sharding.Mesh:
 
 
 def map_episodes(evaluate_batch, params, class_images, protocol: Protocol, num_episodes: int,
-                 mesh: jax.sharding.Mesh, what: str = 'episodes') -> tuple[Any, dict[str, Any]]:
+                 mesh: jax.sharding.Mesh, what: str = 'episodes',
+                 signals: preemption.SignalFlag | None = None) -> tuple[Any, dict[str, Any]]:
   """(outputs of episodes 0..num_episodes-1 of `protocol`'s seed, leaves [E, ...]; timing):
-  `evaluate_batch` from `make_evaluate_batch` over `mesh`, in batches of `protocol.batch_size`."""
+  `evaluate_batch` from `make_evaluate_batch` over `mesh`, in batches of `protocol.batch_size`.
+  Raises preemption.Preempted before a batch once `signals` has received SIGTERM or SIGINT."""
   num_shards = mesh.devices.size
   class_images = jnp.asarray(class_images)
   # Uncommitted copies: restored parameters sit on one device, the batch may span several.
@@ -191,17 +195,24 @@ def map_episodes(evaluate_batch, params, class_images, protocol: Protocol, num_e
   outputs = []
   start = time.perf_counter()
   first_seconds = None
+  progress = progress_lib.Progress(num, what)
   for b in range(num_batches):
+    if signals is not None and signals.stop_at(b):
+      raise preemption.Preempted(
+          f'Stopped by {signals.name} during the evaluation, after {b * size} of {num} '
+          f'{what}; no result file was written or changed. Rerun the same command to '
+          'evaluate.', signals.signum)
     # The last batch is padded with episodes past `num`, dropped below: one compiled shape.
     indices = jnp.arange(b * size, (b + 1) * size, dtype=jnp.int32)
     outputs.append(_fetch(evaluate_batch(params, class_images, key, indices)))
-    if first_seconds is None:
-      first_seconds = time.perf_counter() - start
     done = min((b + 1) * size, num)
-    if b == num_batches - 1 or (b + 1) % max(1, num_batches // 10) == 0:
-      elapsed = time.perf_counter() - start
-      logging.info('Evaluated %d/%d %s, %.1f s, %.2f episodes/s.', done, num, what,
-                   elapsed, done / elapsed)
+    if first_seconds is None:  # Compilation included: the speed is measured after it.
+      first_seconds = time.perf_counter() - start
+      progress.restart(done)
+    if (b == num_batches - 1 or (b + 1) % max(1, num_batches // 10) == 0
+        or progress.due()):  # Every tenth, and at least every 30 s.
+      logging.info('Evaluated %d/%d %s, %.1f s, %s.', done, num, what,
+                   time.perf_counter() - start, progress.status(done))
   total = time.perf_counter() - start
   steady = (num_batches - 1) * size
   rate = steady / (total - first_seconds) if steady else num / total
@@ -213,16 +224,18 @@ def map_episodes(evaluate_batch, params, class_images, protocol: Protocol, num_e
 
 def run_protocol(method: methods.Method, params, class_images, protocol: Protocol,
                  spec: episodes_lib.EpisodeSpec | None = None,
-                 vectorize: bool | None = None) -> dict[str, Any]:
+                 vectorize: bool | None = None,
+                 signals: preemption.SignalFlag | None = None) -> dict[str, Any]:
   """The protocol in batches of episodes on uint8 `class_images` [C, M, H, W, D] (`spec`: from
   `evaluation_spec`, None: the config's): 'task_incremental', 'class_incremental' float64
-  [E, T, T] per-episode accuracies (NaN above the diagonal), and 'timing'."""
+  [E, T, T] per-episode accuracies (NaN above the diagonal), and 'timing'. Raises
+  preemption.Preempted before a batch once `signals` has received SIGTERM or SIGINT."""
   spec = spec or evaluation_spec(method.config, protocol)
   _check_spec(spec, class_images, protocol.split)
   mesh = images_mesh(class_images)
   evaluate_batch = make_evaluate_batch(method, spec, protocol.num_query_draws, vectorize, mesh)
   outputs, timing = map_episodes(evaluate_batch, params, class_images, protocol,
-                                 protocol.num_episodes, mesh)
+                                 protocol.num_episodes, mesh, signals=signals)
   pairs = continual.TaskPairs.lower_triangle(spec.num_tasks)
   result = {'timing': timing}
   for name, per_pair in zip(('task_incremental', 'class_incremental'), outputs):
@@ -244,18 +257,20 @@ def num_specificity_pairs(protocol: Protocol) -> int:
 
 def run_specificity(method: methods.Method, params, class_images, protocol: Protocol,
                     spec: episodes_lib.EpisodeSpec | None = None,
-                    vectorize: bool | None = None) -> dict[str, Any]:
+                    vectorize: bool | None = None,
+                    signals: preemption.SignalFlag | None = None) -> dict[str, Any]:
   """Task specificity on `num_specificity_pairs` two-task episodes of the protocol's
   split, seed and query draws (`EpisodicMethod.task_specificity`; `spec` as in
   `run_protocol`, its T replaced by 2): 'own', 'swapped' [N] accuracies and 'theta'
-  (theta_a of every pair, leaves [N, ...])."""
+  (theta_a of every pair, leaves [N, ...]). `signals`: see `run_protocol`."""
   spec = (spec or evaluation_spec(method.config, protocol))._replace(num_tasks=2)
   _check_spec(spec, class_images, protocol.split)
   mesh = images_mesh(class_images)
   evaluate_batch = make_evaluate_batch(method, spec, protocol.num_query_draws, vectorize, mesh,
                                        measure='specificity')
   (own, swapped, theta), _ = map_episodes(evaluate_batch, params, class_images, protocol,
-                                          num_specificity_pairs(protocol), mesh, 'pairs of tasks')
+                                          num_specificity_pairs(protocol), mesh, 'pairs of tasks',
+                                          signals)
   return {'own': own.astype(np.float64), 'swapped': swapped.astype(np.float64), 'theta': theta}
 
 
@@ -317,10 +332,12 @@ def summarize(per_episode: dict[str, np.ndarray], trained_tasks: int) -> dict[st
 def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
              class_images: np.ndarray | None = None,
              method: methods.Method | None = None,
-             domain_sizes: tuple[int, ...] = ()) -> dict[str, Any]:
+             domain_sizes: tuple[int, ...] = (),
+             signals: preemption.SignalFlag | None = None) -> dict[str, Any]:
   """Runs the protocol on `params`: the `summarize` dict plus 'protocol', 'episode', 'timing'
   and 'method' (no files). `class_images`: uint8 [C, M, H, W, 1] of the split (None: loaded),
-  with its classes per domain `domain_sizes` (multi-domain); `method`: None to build it."""
+  with its classes per domain `domain_sizes` (multi-domain); `method`: None to build it;
+  `signals`: see `run_protocol`."""
   if config.loss == 'cross_entropy':
     logging.warning('config.loss is cross_entropy: task-incremental accuracy from the '
                     "head's logits, class-incremental from prototypes of the head outputs.")
@@ -331,11 +348,12 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
         f'be evaluated on {protocol.num_tasks}; use --eval_tasks <= {method.max_eval_tasks}.')
   class_images, spec = _split_and_spec(config, protocol, class_images, domain_sizes)
   logging.info('Evaluating %s on %s: %s.', method.display_name, protocol.split, protocol)
-  per_episode = run_protocol(method, params, class_images, protocol, spec)
+  per_episode = run_protocol(method, params, class_images, protocol, spec, signals=signals)
   results = summarize(per_episode, trained_tasks=method.trained_tasks(protocol.num_tasks))
   results.update(protocol=dataclasses.asdict(protocol), episode=spec._asdict(),
                  timing=per_episode['timing'], method=method.display_name)
-  results['task_specificity'] = task_specificity(method, params, class_images, protocol, spec)
+  results['task_specificity'] = task_specificity(method, params, class_images, protocol, spec,
+                                                 signals)
   if getattr(method, 'note', None):
     results['note'] = method.note
   logging.info('Evaluation took %.1f s, %.2f episodes/s after compilation.',
@@ -347,7 +365,8 @@ def evaluate(config: ml_collections.ConfigDict, params: Any, protocol: Protocol,
 
 
 def task_specificity(method: methods.Method, params, class_images, protocol: Protocol,
-                     spec: episodes_lib.EpisodeSpec) -> dict[str, Any] | None:
+                     spec: episodes_lib.EpisodeSpec,
+                     signals: preemption.SignalFlag | None = None) -> dict[str, Any] | None:
   """`summarize_specificity` of `run_specificity` plus its 'seconds', logged; None where
   it is not measured (a method that writes no CNN from a support set, too few classes,
   or protocol.specificity_pairs = 0), saying why."""
@@ -365,7 +384,8 @@ def task_specificity(method: methods.Method, params, class_images, protocol: Pro
                     ' '.join(problems))
     return None
   start = time.perf_counter()
-  result = summarize_specificity(run_specificity(method, params, class_images, protocol, spec))
+  result = summarize_specificity(run_specificity(method, params, class_images, protocol, spec,
+                                                 signals=signals))
   result['seconds'] = time.perf_counter() - start
   result['swap'] = ('the layers below the head (each task keeps its own head)'
                     if method.task_incremental_score == 'cross_entropy' else 'every array')
@@ -391,7 +411,24 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
                         **protocol_overrides) -> tuple[dict[str, Any], list[str]]:
   """(results, written paths) of the protocol on a checkpoint of `workdir` (`step` None: latest);
   `embeddings` 'umap' or 'pca' adds `<prefix>_embeddings.png`; `dataset`: split -> uint8 class
-  images (None: loaded). Headline numbers also go to metrics.jsonl as `eval_<split>_T<T>`."""
+  images (None: loaded). Headline numbers also go to metrics.jsonl as `eval_<split>_T<T>`.
+  SIGTERM and SIGINT stop it before the results are written (preemption.Preempted); a failed
+  evaluation leaves no folder it made."""
+  folder = os.path.join(os.path.abspath(workdir), 'eval')  # reports.check_writable's.
+  created = [folder] if jax.process_index() == 0 and not os.path.isdir(folder) else []
+  try:
+    with preemption.SignalFlag(  # Until here SIGTERM just ends the process.
+        stopping='stopping the evaluation before its next batch of episodes',
+        exiting='without writing results') as signals:
+      return _evaluate_checkpoint(config, workdir, step, plot, embeddings, dataset, signals,
+                                  protocol_overrides)
+  finally:
+    workdir_lib.remove_if_empty(created)
+
+
+def _evaluate_checkpoint(config, workdir, step, plot, embeddings, dataset, signals,
+                         protocol_overrides):
+  """`evaluate_checkpoint` within its signal handlers."""
   method = methods.build(config, None if dataset is None else len(dataset['train']))
   params, step = restore_params(workdir, config, step, method)
   if jax.process_index() == 0:  # The one writer of the results (below), checked first.
@@ -399,7 +436,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str,
   protocol = default_protocol(config, **protocol_overrides)
   class_images = None if dataset is None else dataset[protocol.split]
   domain_sizes = () if dataset is None else dataset.get('domain_sizes', {}).get(protocol.split, ())
-  results = evaluate(config, params, protocol, class_images, method, domain_sizes)
+  results = evaluate(config, params, protocol, class_images, method, domain_sizes, signals)
   results.update(workdir=os.path.abspath(workdir), step=step,
                  config=json.loads(config.to_json_best_effort()))
   prefix = reports.result_prefix(workdir, protocol, step)

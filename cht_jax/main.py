@@ -38,18 +38,22 @@ flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics and logs go (de
                     'workdirs/<config name>[_<config argument>]).')
 flags.DEFINE_enum('mode', 'train', ['train', 'eval'],
                   'train, or eval: the evaluation protocol on a checkpoint of --workdir.')
-# --mode=eval (defaults: the paper's protocol; see cht_jax/evaluate.py).
-flags.DEFINE_integer('checkpoint_step', None, 'Checkpoint step to evaluate; default latest.')
+# --mode=eval (defaults: the paper's protocol; see cht_jax/evaluate.py). The bounds are
+# checked as the flags are parsed: a mistake is named before anything is restored.
+flags.DEFINE_integer('checkpoint_step', None, 'Checkpoint step to evaluate; default latest.',
+                     lower_bound=0)
 flags.DEFINE_integer('eval_tasks', None, 'T_eval, tasks per episode; default the trained '
-                     'T, from the workdir (more extrapolates).')
+                     'T, from the workdir (more extrapolates).', lower_bound=1)
 flags.DEFINE_enum('eval_split', 'test', ['test', 'validation', 'train'],
                   'Classes to evaluate on (train: the generalisation gap).')
-flags.DEFINE_integer('eval_episodes', 1024, 'Evaluation episodes.')
-flags.DEFINE_integer('eval_query_draws', 16, 'Query draws per episode (same support set).')
+flags.DEFINE_integer('eval_episodes', 1024, 'Evaluation episodes.', lower_bound=1)
+flags.DEFINE_integer('eval_query_draws', 16, 'Query draws per episode (same support set).',
+                     lower_bound=1)
 flags.DEFINE_integer('eval_queries_per_class', None, 'Queries per class in each draw; '
-                     "default the config's episode.queries_per_class.")
+                     "default the config's episode.queries_per_class.", lower_bound=1)
 flags.DEFINE_integer('eval_seed', evaluate.DEFAULT_SEED, 'Seed of the evaluation episodes.')
-flags.DEFINE_integer('eval_batch_size', 8, 'Episodes per compiled call (memory only).')
+flags.DEFINE_integer('eval_batch_size', 8, 'Episodes per compiled call (memory only).',
+                     lower_bound=1)
 flags.DEFINE_enum('eval_sampler', 'strict', list(evaluate.SAMPLERS), 'Query draws: strict '
                   "(never a support image) or the original HT's (docs/evaluation.md).")
 flags.DEFINE_integer('eval_specificity_pairs', 256, 'Pairs of tasks on which to measure '
@@ -211,8 +215,10 @@ def main(argv):
       _say(f'{e.label}: {e}')
       return e.exit_code
     raise
-  except KeyboardInterrupt:  # Ctrl-C before training's first step: nothing to save.
-    print('Interrupted before training started; no checkpoint was written by this run.',
+  except KeyboardInterrupt:  # Ctrl-C before the run's SignalFlag: nothing to save.
+    print('Interrupted before the evaluation started; no result file was written.'
+          if FLAGS.mode == 'eval' else
+          'Interrupted before training started; no checkpoint was written by this run.',
           file=sys.stderr)
     return preemption.INTERRUPTED_EXIT_CODE
 

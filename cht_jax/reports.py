@@ -1,7 +1,7 @@
 r"""Every results file: of an evaluation, and the tables and figures of the launch scripts.
 
-`write_results` writes what `evaluate.evaluate` returns (docs/evaluation.md), each file whole or
-not at all (`workdir.atomic_path`). Also `write_sweep` (launch/sweep.py), `write_fast_table1`
+`write_results` writes what `evaluate.evaluate` returns (docs/evaluation.md), its set of files
+whole or not at all (`_result_set`). Also `write_sweep` (launch/sweep.py), `write_fast_table1`
 (launch/fast_table1.py), and the tables of the shell scripts:
 
   python -m cht_jax.reports runs_table --work=/tmp/figure3 --runs="t1 t2" --output=table.md
@@ -9,13 +9,16 @@ not at all (`workdir.atomic_path`). Also `write_sweep` (launch/sweep.py), `write
 """
 
 import argparse
+import contextlib
 import csv
 import glob
 import io
 import json
 import os
+import shutil
 import socket
-from typing import Any
+import tempfile
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -152,29 +155,71 @@ def csv_rows(results: dict[str, Any]) -> list[list[Any]]:
   return rows
 
 
+# An evaluation's files (`write_results`): replaced together, never mixed with an earlier set.
+RESULT_EXTENSIONS = ('.json', '.csv', '.md', '.png')
+
+
 def write_results(results: dict[str, Any], path_prefix: str, plot: bool = True) -> list[str]:
   """Writes `<path_prefix>.json` (all; null where undefined), `.csv` (the matrices, long
-  format), `.md` (Table 1 layout, matrices, summaries) and `.png`; returns the paths."""
+  format), `.md` (Table 1 layout, matrices, summaries) and `.png`; returns the paths. They
+  replace an earlier set of that prefix together, or (on an error) none of it is changed."""
   folder = os.path.dirname(os.path.abspath(path_prefix))
+  created = [] if os.path.isdir(folder) else [folder]
   results = _jsonable(results)
   texts = {'.json': json.dumps(results, indent=1),
            '.csv': '\n'.join(','.join(str(v) for v in row) for row in csv_rows(results)) + '\n',
            '.md': format_markdown(results)}
-  paths = [path_prefix + ext for ext in texts]
   try:
     os.makedirs(folder, exist_ok=True)
-    for path, text in zip(paths, texts.values()):
-      workdir_lib.write_atomically(path, text)
-    if plot:
-      from cht_jax import plots  # Matplotlib only when a figure is wanted.
-      paths.append(plots.plot_results([results], path_prefix + '.png'))  # Written atomically.
+    with _result_set(path_prefix) as staged:
+      for ext, text in texts.items():
+        workdir_lib.write_atomically(staged + ext, text)
+      if plot:
+        from cht_jax import plots  # Matplotlib only when a figure is wanted.
+        plots.plot_results([results], staged + '.png')
   except OSError as e:
     raise ReportError(
-        f'Writing the evaluation results in {folder} failed ({_reason(e)}). No partial '
-        'file is left under a result name, and the results of earlier evaluations there '
-        'are kept. Free disk space or fix the permissions of that folder, then rerun the '
-        'same command.') from None
-  return paths
+        f'Writing the evaluation results in {folder} failed ({_reason(e)}). None of '
+        f'{os.path.basename(path_prefix)}.* was written or changed: the results of earlier '
+        'evaluations there are kept whole. Free disk space or fix the permissions of that '
+        'folder, then rerun the same command.') from None
+  finally:  # A folder this call made stays only with the files in it.
+    workdir_lib.remove_if_empty(created)
+  return [path_prefix + ext for ext in texts] + ([path_prefix + '.png'] if plot else [])
+
+
+@contextlib.contextmanager
+def _result_set(path_prefix: str) -> Iterator[str]:
+  """A prefix in a temporary folder beside `path_prefix` to write a set of result files to,
+  moved in over the earlier set (`_move_in`) when the block ends; removed if it raises."""
+  folder, name = os.path.split(os.path.abspath(path_prefix))
+  staging = tempfile.mkdtemp(dir=folder, prefix=f'.{name}.', suffix='.tmp')
+  try:
+    yield os.path.join(staging, name)
+    _move_in(os.path.join(staging, name), path_prefix)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_in(staged: str, path_prefix: str) -> None:
+  """Replaces the files of `path_prefix` by those of `staged` (one of RESULT_EXTENSIONS that
+  `staged` lacks is removed); if a rename fails, the renames done are undone."""
+  aside = staged + '.earlier'  # The earlier set, in the staging folder until the end.
+  done = []
+  try:
+    for ext in RESULT_EXTENSIONS:
+      if os.path.exists(path_prefix + ext):
+        os.replace(path_prefix + ext, aside + ext)
+        done.append((path_prefix + ext, aside + ext))
+    for ext in RESULT_EXTENSIONS:
+      if os.path.exists(staged + ext):
+        os.replace(staged + ext, path_prefix + ext)
+        done.append((staged + ext, path_prefix + ext))
+  except OSError:
+    for source, target in reversed(done):
+      with contextlib.suppress(OSError):
+        os.replace(target, source)
+    raise
 
 
 class ReportError(workdir_lib.WorkdirError):

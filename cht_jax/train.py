@@ -34,6 +34,7 @@ from cht_jax.runtime import checkpoints
 from cht_jax.runtime import devices
 from cht_jax.runtime import divergence
 from cht_jax.runtime import preemption
+from cht_jax.runtime import progress as progress_lib
 from cht_jax.runtime import workdir as workdir_lib
 
 # Errors whose message is the whole story: `main` prints it without traceback.
@@ -275,6 +276,7 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
     batches = datasets.host_batches(config, first_step + 1)
     batch_sharding = jax.NamedSharding(mesh, jax.P('data'))
   pending, window, window_start, last_metrics = [], [], time.perf_counter(), {}
+  progress = progress_lib.Progress(num_steps, 'steps', first_step)
   step = first_step
   while step < num_steps:
     step += 1
@@ -295,6 +297,14 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
     do_log = step % tc.log_every_steps == 0 or last or stop
     do_eval = tc.eval_every_steps and (step % tc.eval_every_steps == 0 or last)
     do_save = step % tc.checkpoint_every_steps == 0 or last or stop
+    if step == first_step + 1 or (progress.due() and not do_log):  # Lines between log steps.
+      jax.block_until_ready(metrics)  # The steps done, not just dispatched.
+      if step == first_step + 1:  # Its time includes compilation: the speed is measured after.
+        logging.info('step %d/%d: the first step took %s (compilation included).', step,
+                     num_steps, progress_lib.duration(progress.seconds()))
+        progress.restart(step)
+      else:
+        logging.info('step %d/%d: %s', step, num_steps, progress.status(step))
     if not (do_log or do_eval or do_save):
       continue
     # Never log, evaluate or checkpoint past a step that diverged.
@@ -307,13 +317,14 @@ def _train_loop(method, optimizer, mesh, state, dataset, manager, log, signals,
       last_metrics = workdir_lib.window_means(window, time.perf_counter() - window_start,
                                    tc.episodes_per_step)
       log.write(step, 'train', last_metrics)
-      logging.info('step %d/%d: %s, %.2f steps/s', step, num_steps, ', '.join(
+      logging.info('step %d/%d: %s, %s', step, num_steps, ', '.join(
           f'{k} {last_metrics[k]:.4g}' for k in ('loss', 'accuracy', 'final_accuracy')
-          if k in last_metrics), last_metrics['steps_per_sec'])
+          if k in last_metrics), progress.status(step))
       window, window_start = [], time.perf_counter()
       if rollbacks.is_spike(step, last_metrics['loss'], state):
         state = rollbacks.roll_back(step, manager)
         step = int(state.step)
+        progress.restart(step)
         if not stop:
           if host:
             batches = datasets.host_batches(config, step + 1)

@@ -5,8 +5,11 @@ import functools
 import importlib.util
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +30,7 @@ from cht_jax.data import episodes
 from cht_jax.models import hypertransformer as ht_lib
 from cht_jax.runtime import checkpoints
 from cht_jax.runtime import devices
+from cht_jax.runtime import preemption
 
 from conftest import REPO_ROOT, class_images, tiny_config
 
@@ -236,6 +240,31 @@ def test_checkpoint_errors_are_clear(tmp_path, trained):
   assert params is not None
 
 
+def test_ctrl_c_stops_an_evaluation_between_batches_without_writing(trained, monkeypatch):
+  """SIGINT (as SIGTERM: the same handler) after the first batch of two: one line about the
+  evaluation, exit status 130, and no eval/ folder, result file or metrics row."""
+  if threading.current_thread() is not threading.main_thread():
+    pytest.skip('Signal handlers are installed from the main thread only.')
+  config, workdir, _ = trained
+  fetch = evaluate._fetch  # pylint: disable=protected-access
+
+  def fetch_then_interrupt(outputs):
+    signal.raise_signal(signal.SIGINT)  # Handled as the batch ends: Ctrl-C mid-batch.
+    return fetch(outputs)
+  monkeypatch.setattr(evaluate, '_fetch', fetch_then_interrupt)
+  images = class_images(images_per_class=8)
+  with pytest.raises(preemption.Preempted) as stopped:
+    evaluate.evaluate_checkpoint(  # small_protocol's shapes: compiled already.
+        config, workdir, plot=False, dataset={'train': images, 'test': images},
+        num_episodes=4, num_query_draws=2, batch_size=2, num_tasks=3)
+  assert (stopped.value.label, stopped.value.exit_code) == ('Interrupted', 130)
+  assert str(stopped.value) == ('Stopped by SIGINT during the evaluation, after 2 of 4 episodes; '
+                                'no result file was written or changed. Rerun the same command '
+                                'to evaluate.')
+  assert not {'eval', 'metrics.jsonl'} & set(os.listdir(workdir))
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 _SAVE_ON_OTHER_DEVICES = """
 import sys
 import jax, numpy as np
@@ -441,11 +470,29 @@ def test_api_errors_name_the_problem(trained):
 # --------------------------------------------------------------------------
 
 
+def eval_command(workdir, data_dir, *flags):
+  return [sys.executable, '-m', 'cht_jax.main', '--mode=eval',
+          '--config=configs/omniglot_t2.py:tiny', f'--workdir={workdir}',
+          f'--config.data.data_dir={data_dir}', *flags]
+
+
 def run_eval(workdir, data_dir, *flags):
-  command = [sys.executable, '-m', 'cht_jax.main', '--mode=eval',
-             '--config=configs/omniglot_t2.py:tiny', f'--workdir={workdir}',
-             f'--config.data.data_dir={data_dir}', *flags]
-  return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+  return subprocess.run(eval_command(workdir, data_dir, *flags), cwd=REPO_ROOT,
+                        capture_output=True, text=True, timeout=600)
+
+
+def signal_eval(signum, workdir, data_dir, *flags):
+  """(exit status, stderr) of an evaluation sent `signum` once it logs that it evaluates."""
+  process = subprocess.Popen(eval_command(workdir, data_dir, *flags), cwd=REPO_ROOT,
+                             stderr=subprocess.PIPE, text=True)
+  lines = []
+  for line in process.stderr:
+    lines.append(line)
+    if 'Evaluating ' in line:
+      process.send_signal(signum)
+      break
+  lines.append(process.communicate(timeout=600)[1])
+  return process.returncode, ''.join(lines)
 
 
 def _example(name):
@@ -470,10 +517,25 @@ def test_main_eval_end_to_end(tmp_path, prepared_omniglot, trained):
   for step in (2, 4):
     save_checkpoint(workdir, config, train.TrainState(
         step=jnp.asarray(step, jnp.int32), params=params, opt_state=optimizer.init(params)))
-  result = run_eval(workdir, prepared_omniglot, '--eval_tasks=3', '--eval_episodes=6',
-                    '--eval_query_draws=2', '--eval_batch_size=4', '--checkpoint_step=2')
+  # A bad flag is named as the flags are parsed, before anything is restored or made.
+  result = run_eval(workdir, prepared_omniglot, '--eval_episodes=-1', '--eval_queries_per_class=0')
+  assert result.returncode == 1
+  assert 'flag --eval_episodes=-1: -1 is not a positive integer' in result.stderr
+  assert 'Traceback' not in result.stderr
+  assert sorted(os.listdir(workdir)) == ['checkpoints']  # No empty eval/.
+  flags = ('--eval_tasks=3', '--eval_episodes=6', '--eval_query_draws=2', '--eval_batch_size=4',
+           '--checkpoint_step=2')
+  # SIGTERM (a preemption) stops it in one line, without results or an empty eval/.
+  status, stderr = signal_eval(signal.SIGTERM, workdir, prepared_omniglot, *flags)
+  assert status == 143, stderr[-3000:]
+  assert re.search(r'\nPreempted: Stopped by SIGTERM during the evaluation, after [0-9] of 6 '
+                   r'episodes; no result file was written or changed\. Rerun the same command '
+                   r'to evaluate\.\n$', stderr), stderr[-3000:]
+  assert sorted(os.listdir(workdir)) == ['checkpoints']
+  result = run_eval(workdir, prepared_omniglot, *flags)  # The same command.
   assert result.returncode == 0, result.stderr[-3000:]
-  assert 'episodes/s' in result.stderr
+  assert re.search(r'Evaluated 6/6 episodes, [0-9.]+ s, [0-9.e+-]+ episodes/s, 0 s left',
+                   result.stderr), result.stderr[-3000:]
   prefix = os.path.join(workdir, 'eval', 'test_T3_step2')
   for ext in ('.json', '.csv', '.md', '.png'):
     assert os.path.getsize(prefix + ext) > 0

@@ -97,6 +97,40 @@ def test_a_disk_that_fills_keeps_the_earlier_results_whole(tmp_path, monkeypatch
   json.loads(before[paths[0]])
 
 
+def _fake_figure(results, output):
+  """plots.plot_results without Matplotlib: the figure's bytes name its episode seed."""
+  workdir_lib.write_atomically(output, f'figure of seed {results[0]["protocol"]["seed"]}')
+  return output
+
+
+@pytest.mark.parametrize('earlier', [True, False])
+def test_the_result_files_appear_as_a_set_or_not_at_all(tmp_path, monkeypatch, earlier):
+  """The figure, written last, fails: with an earlier set, none of it is replaced (the JSON
+  and Markdown were, the CSV and figure not); with none, no file and no folder is left."""
+  prefix = str(tmp_path / 'eval' / 'test_T2_step4')
+  monkeypatch.setattr(plots, 'plot_results', _fake_figure)
+  before = {}
+  if earlier:
+    before = {p: open(p).read() for p in reports.write_results(fake_results(), prefix)}
+    assert sorted(before) == [prefix + ext for ext in ('.csv', '.json', '.md', '.png')]
+
+  def full_disk(results, output):
+    del results, output
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  monkeypatch.setattr(plots, 'plot_results', full_disk)
+  newer = fake_results()
+  newer['protocol']['seed'] = 7
+  with pytest.raises(reports.ReportError, match=re.escape(
+      'None of test_T2_step4.* was written or changed: the results of earlier evaluations '
+      'there are kept whole')):
+    reports.write_results(newer, prefix)
+  if earlier:  # No temporary folder either.
+    assert sorted(os.listdir(tmp_path / 'eval')) == sorted(os.path.basename(p) for p in before)
+    assert {p: open(p).read() for p in before} == before
+  else:
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_figure_that_fails_midway_keeps_the_earlier_one(tmp_path, monkeypatch):
   """--eval_embeddings' figure (every figure goes through plots._save)."""
   path = str(tmp_path / 'embeddings.png')

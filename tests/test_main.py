@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -32,7 +33,10 @@ def read_metrics(workdir):
 
 def test_main_trains_checkpoints_and_resumes(tmp_path, prepared_omniglot):
   workdir = str(tmp_path / 'work')
-  run_main(workdir, prepared_omniglot)
+  log = run_main(workdir, prepared_omniglot)
+  # Progress a person can follow: the first step at once, then speed and time left.
+  assert 'step 1/4: the first step took ' in log
+  assert re.search(r'step 4/4: loss [0-9.]+, .* steps/s, [0-9]+ s left', log), log[-3000:]
   steps = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')))
   assert steps == [2, 4]  # checkpoint_every_steps=2, num_steps=4.
   metrics = read_metrics(workdir)

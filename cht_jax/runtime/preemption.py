@@ -1,4 +1,5 @@
-"""SIGTERM (a cluster's preemption) and Ctrl-C as a flag the training loop polls between steps.
+"""SIGTERM (a cluster's preemption) and Ctrl-C as a flag the training loop polls between steps
+(and the evaluation between batches of episodes, stopping without writing results).
 
 The loop checkpoints the step and raises `Preempted`; `main` exits with its `exit_code`:
 143 (128 + SIGTERM, "requeue me" to schedulers), or 130 after Ctrl-C. A second Ctrl-C
@@ -20,7 +21,8 @@ INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 
 
 class Preempted(Exception):
-  """SIGTERM or SIGINT arrived; the current step was checkpointed."""
+  """SIGTERM or SIGINT arrived; the current step was checkpointed (or, in an evaluation,
+  nothing was written)."""
 
   def __init__(self, message: str, signum: int = signal.SIGTERM):
     super().__init__(message)
@@ -30,9 +32,13 @@ class Preempted(Exception):
 
 class SignalFlag:
   """Within `with`, SIGTERM and SIGINT set `.received` instead of ending the process;
-  `.name` and `.signum` are the first signal's."""
+  `.name` and `.signum` are the first signal's. `stopping` and `exiting` say in the log what
+  the first signal, and a second Ctrl-C, do."""
 
-  def __init__(self, signums=(signal.SIGTERM, signal.SIGINT)):
+  def __init__(self, signums=(signal.SIGTERM, signal.SIGINT),
+               stopping: str = 'checkpointing and stopping after this step',
+               exiting: str = 'without a checkpoint of this step'):
+    self._stopping, self._exiting = stopping, exiting
     self._multiprocess = jax.process_count() > 1
     # SIGTERM is the preemption service's where there are several processes.
     self._signums = tuple(s for s in signums
@@ -43,7 +49,8 @@ class SignalFlag:
 
   def stop_at(self, step: int) -> bool:
     """Whether to checkpoint `step` and stop: a signal arrived (with several
-    processes: all of them have agreed on this step). Call once at every step."""
+    processes: all of them have agreed on this step). Call once at every step (or batch
+    of an evaluation, counted from 0)."""
     if not self._multiprocess:
       return self.received
     if multihost_utils.reached_preemption_sync_point(step):
@@ -58,13 +65,11 @@ class SignalFlag:
   def _handle(self, signum, frame):
     del frame
     if self.received and signum == signal.SIGINT:
-      print('Interrupted again: exiting now, without a checkpoint of this step.',
-            file=sys.stderr, flush=True)
+      print(f'Interrupted again: exiting now, {self._exiting}.', file=sys.stderr, flush=True)
       os._exit(INTERRUPTED_EXIT_CODE)  # pylint: disable=protected-access
     if not self.received:
       self.signum = signum
-      logging.warning('Received %s: checkpointing and stopping after this step%s.',
-                      signal.Signals(signum).name,
+      logging.warning('Received %s: %s%s.', signal.Signals(signum).name, self._stopping,
                       ' (Ctrl-C again to exit at once)' if signum == signal.SIGINT else '')
       if self._multiprocess:  # Through the preemption service, to all processes.
         os.kill(os.getpid(), signal.SIGTERM)
