@@ -253,6 +253,7 @@ def test_ctrl_c_stops_an_evaluation_between_batches_without_writing(trained, mon
     return fetch(outputs)
   monkeypatch.setattr(evaluate, '_fetch', fetch_then_interrupt)
   images = class_images(images_per_class=8)
+  handler = signal.getsignal(signal.SIGINT)  # pytest-xdist's workers ignore SIGINT.
   with pytest.raises(preemption.Preempted) as stopped:
     evaluate.evaluate_checkpoint(  # small_protocol's shapes: compiled already.
         config, workdir, plot=False, dataset={'train': images, 'test': images},
@@ -262,7 +263,7 @@ def test_ctrl_c_stops_an_evaluation_between_batches_without_writing(trained, mon
                                 'no result file was written or changed. Rerun the same command '
                                 'to evaluate.')
   assert not {'eval', 'metrics.jsonl'} & set(os.listdir(workdir))
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  assert signal.getsignal(signal.SIGINT) is handler
 
 
 _SAVE_ON_OTHER_DEVICES = """

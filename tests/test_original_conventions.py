@@ -157,7 +157,7 @@ def test_original_test_sampler_keeps_the_support_set_and_draws_from_all_images(s
 def test_evaluation_records_the_sampler_in_json_markdown_and_file_names(tmp_path, monkeypatch):
   config = tiny_config()
   protocol = evaluate.default_protocol(config, num_episodes=2, num_query_draws=2,
-                                       batch_size=2, sampler='original')
+                                       batch_size=2, sampler='original', specificity_pairs=0)
   assert evaluate.default_protocol(config).sampler == 'strict'
   assert evaluate.evaluation_spec(config, protocol).independent_draws
   # The training config's draws do not choose the evaluation's.
@@ -171,7 +171,8 @@ def test_evaluation_records_the_sampler_in_json_markdown_and_file_names(tmp_path
   # what the result files say, without compiling a model.
   given = []
 
-  def run_protocol(method, params, images, protocol, spec):
+  def run_protocol(method, params, images, protocol, spec, signals=None):
+    del signals
     given.append(spec)
     t = protocol.num_tasks
     matrix = np.where(np.tril(np.ones((t, t))) > 0, 0.5, np.nan)
