@@ -214,6 +214,8 @@ def test_cross_entropy_arm_trains_and_scores_with_the_head(images):
   method = methods.build(config)
   assert method.task_incremental_score == 'cross_entropy'
   state, results = train_and_evaluate(config, images, steps=2)
+  # Task specificity swaps the layers below the head: the head's labels are the task's own.
+  assert results['task_specificity']['swap'].startswith('the layers below the head')
   # Reference: the head's argmax of theta_t on the queries of tau, for one episode.
   spec = evaluate.evaluation_spec(config, evaluate.default_protocol(config))
   from cht_jax.data import episodes  # pylint: disable=g-import-not-at-top

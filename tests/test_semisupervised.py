@@ -394,5 +394,6 @@ def test_trains_and_evaluates_with_unlabeled_images(tmp_path, prepared_omniglot)
   with open(os.path.join(workdir, 'eval', 'test_T2_step4.json')) as f:
     saved = json.load(f)
   assert saved['episode']['unlabeled_per_class'] == UNLABELED
+  assert saved['task_specificity']['num_pairs'] == 2  # Written with unlabeled images too.
   assert saved['config']['episode']['unlabeled_per_class'] == UNLABELED
   assert 0 <= saved['table']['class_incremental']['mean'][-1] <= 1
