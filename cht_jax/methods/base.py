@@ -129,17 +129,22 @@ class EpisodicMethod(Method):
     logits are the prediction, so the swap keeps A's own head and asks whether the layers
     below it are task-specific. own == swapped for a CNN that is the same for every task.
     """
-    def first_task_theta(task):
-      one = lambda x: x[task:task + 1]
+    def first_task_theta(support_images, support_labels, unlabeled):  # An episode of T=1.
       thetas, _ = self.thetas_and_prototypes(
-          params, one(episode['support_images']), one(episode['support_labels']),
-          remat=False, **jax.tree.map(one, unlabeled_support(episode)))
+          params, support_images[None], support_labels[None], remat=False,
+          **jax.tree.map(lambda x: x[None], unlabeled))
       return jax.tree.map(lambda leaf: leaf[0], thetas)
 
-    theta_a, theta_b = first_task_theta(0), first_task_theta(1)
+    # Both tasks through one traced generator and one traced CNN (vmap): half the program.
+    two = lambda x: x[:2]
+    thetas = jax.vmap(first_task_theta)(two(episode['support_images']),
+                                        two(episode['support_labels']),
+                                        jax.tree.map(two, unlabeled_support(episode)))
+    theta_a = jax.tree.map(lambda leaf: leaf[0], thetas)
     score = self.task_incremental_score
     if score == 'cross_entropy':
-      theta_b = {**theta_b, 'head': theta_a['head']}
+      thetas = {**thetas, 'head': jax.tree.map(lambda head: jnp.stack([head[0], head[0]]),
+                                               thetas['head'])}
     support_images, support_labels = episode['support_images'][0], episode['support_labels'][0]
     query_images, query_labels = episode['query_images'][:, 0], episode['query_labels'][0]
     num_ways = support_labels.shape[0] // self.config.episode.shots
@@ -149,11 +154,14 @@ class EpisodicMethod(Method):
       prototypes = losses.class_prototypes(embed(support_images), support_labels, num_ways)
       embeddings = jax.lax.map(embed, query_images,
                                batch_size=query_images.shape[0] if vectorize else None)
-      logits, _ = jax.vmap(lambda e: losses.pair_logits(score, e, prototypes[None], 0, 0))(
-          embeddings)
-      return jnp.mean(jnp.argmax(logits, axis=-1) == query_labels)
 
-    return accuracy(theta_a), accuracy(theta_b), theta_a
+      def draw_accuracy(draw_embeddings):
+        logits, offset = losses.pair_logits(score, draw_embeddings, prototypes[None], 0, 0)
+        return losses.cross_entropy_and_accuracy(logits, query_labels + offset)[1]
+      return jnp.mean(jax.vmap(draw_accuracy)(embeddings))
+
+    own, swapped = jax.vmap(accuracy)(thetas)
+    return own, swapped, theta_a
 
 
 def embed_query_draws(method, thetas, query_images: jax.Array, pairs: continual.TaskPairs,
