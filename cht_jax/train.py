@@ -186,12 +186,12 @@ def make_validation_specificity(method: methods.Method, class_images, domain_siz
       split='validation', batch_size=config.train.eval_episodes,
       specificity_pairs=config.train.eval_episodes)
   spec = evaluate.evaluation_spec(config, protocol, domain_sizes)
-  problems = episodes_lib.spec_problems(spec, *np.shape(class_images)[:2])
-  if not evaluate.measures_specificity(method) or problems:
+  if evaluate.why_specificity_unmeasured(method, spec, class_images, 'validation'):
     return lambda params: {}
+  per_pair_of = evaluate.make_specificity(method, class_images, protocol, spec)
 
   def specificity(params):
-    per_pair = evaluate.run_specificity(method, params, class_images, protocol, spec)
+    per_pair = per_pair_of(params)
     own, swapped = float(per_pair['own'].mean()), float(per_pair['swapped'].mean())
     return {'specificity_own': own, 'specificity_swapped': swapped,
             'specificity_difference': own - swapped}
