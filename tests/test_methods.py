@@ -54,8 +54,10 @@ def test_method_gives_the_numbers_of_before_the_redesign(name, tmp_path):
              'test': class_images(9, seed=2)}
   workdir = str(tmp_path)
   train.train_and_evaluate(config, workdir, dataset=dataset)
+  # Task specificity is tested on its own (test_evaluate.py): not measured here.
   results, _ = evaluate.evaluate_checkpoint(config, workdir, dataset=dataset, plot=False,
-                                            num_episodes=3, num_query_draws=2, batch_size=2)
+                                            num_episodes=3, num_query_draws=2, batch_size=2,
+                                            specificity_pairs=0)
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f]
   golden = GOLDEN[name]

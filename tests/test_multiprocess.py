@@ -113,9 +113,10 @@ def start_then_lose(env, log_path, workdir, data_dir, process_id, after_step):
   children = subprocess.run(['pgrep', '-P', str(process.pid), '-f', f'process_id={process_id}'],
                             capture_output=True, text=True).stdout.split()
   assert len(children) == 1
+  with open(log_path) as f:  # Before the kill: the launcher may log it at once.
+    start = len(f.read())
+  killed = time.time()
   os.kill(int(children[0]), signal.SIGKILL)
-  with open(log_path) as f:
-    killed, start = time.time(), len(f.read())
   rc, log = finish(process, log_path, timeout=240)
   after = log[start:]
   assert rc == 137 and time.time() - killed < 60, log[-3000:]
