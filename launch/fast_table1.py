@@ -107,6 +107,9 @@ def main():
   if not any(a.startswith('--config=') for a in args.main_args):
     parser.error('Give the config after --, e.g. -- --config=configs/omniglot_t5.py:fast')
   workdir = os.path.abspath(args.workdir)
+  # The code that trains is the checkout's now: a commit landing during a long training must
+  # not be recorded as the one that ran.
+  commit = _commit()
   main_command = [sys.executable, '-m', 'cht_jax.main', f'--workdir={workdir}', *args.main_args]
   train_seconds = None
   if not args.skip_training:
@@ -124,7 +127,7 @@ def main():
   from cht_jax import reports  # pylint: disable=g-import-not-at-top
   summary = {
       'config': next(a.split('=', 1)[1] for a in args.main_args if a.startswith('--config=')),
-      'command': shlex.join(sys.argv), 'commit': _commit(),
+      'command': shlex.join(sys.argv), 'commit': commit,
       'device': results.get('timing', {}).get('device') or jax.devices()[0].device_kind,
       'jax': jax.__version__, 'train_wall_seconds': train_seconds,
       'eval_wall_seconds': eval_seconds, 'evaluation': os.path.relpath(evals[-1], workdir),

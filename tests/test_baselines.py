@@ -1,6 +1,7 @@
 """Baselines (ConstPN, Merged HT), the experiment configs and launch/sweep.py."""
 
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -312,6 +313,35 @@ def test_sweep_end_to_end_one_tiny_run(tmp_path, prepared_omniglot):
 # --------------------------------------------------------------------------
 # The tables of launch/fast_table1.py, launch/gpu_figure3.sh and launch/recipe_levers.sh.
 # --------------------------------------------------------------------------
+
+
+def test_fast_table1_records_the_commit_that_trained(tmp_path, monkeypatch):
+  """A commit landing while the launcher trains is not the one its results.json names."""
+  spec = importlib.util.spec_from_file_location(
+      'fast_table1', os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                                  'launch', 'fast_table1.py'))
+  launcher = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(launcher)
+  workdir = tmp_path / 'run'
+  table = {'columns': ['0'], 'class_incremental': {'mean': [0.5], 'ci95': [0.01]},
+           'task_incremental': {'mean': [0.5], 'ci95': [0.01]}}
+
+  def fake_run(command, timeout):
+    if '--mode=eval' in command:
+      os.makedirs(workdir / 'eval')
+      json.dump({'step': 3, 'table': table, 'timing': {'device': 'cpu'}},
+                open(workdir / 'eval' / 'test_T1_step3.json', 'w'))
+    else:
+      monkeypatch.setenv('CHT_COMMIT', 'landed-during-training')
+    return 0, 1.0
+
+  monkeypatch.setenv('CHT_COMMIT', 'trained')
+  monkeypatch.setattr(launcher, '_run', fake_run)
+  monkeypatch.setattr(sys, 'argv', ['fast_table1.py', f'--workdir={workdir}', '--',
+                                    '--config=configs/omniglot_t2.py:tiny'])
+  launcher.main()
+  results = json.load(open(workdir / 'results.json'))
+  assert (results['commit'], results['step']) == ('trained', 3)
 
 
 def test_fast_table1_results_and_the_runs_table(tmp_path, capsys):
