@@ -29,9 +29,13 @@ def test_a_second_run_on_a_workdir_in_use_stops_at_once_and_ctrl_c_checkpoints(
   """One run serves both: a second start on its workdir is refused while it trains, then
   Ctrl-C checkpoints the step it is at, and the lock goes with it."""
   workdir = str(tmp_path / 'work')
-  # No save step before the signal, wherever it lands: the one checkpoint is the stop's.
-  no_saves = ('--config.train.checkpoint_every_steps=1000', '--config.train.log_every_steps=1')
-  first = start(env, workdir, prepared_omniglot, *no_saves, '--config.train.num_steps=400')
+  # No save step before the signal, wherever it lands: the one checkpoint is the stop's. The
+  # schedule is far longer than the test waits (a few hundred steps a second): on a loaded
+  # machine this process may not run for a second, and a 400-step run finished before the
+  # signal came.
+  no_saves = ('--config.train.checkpoint_every_steps=1000000',
+              '--config.train.log_every_steps=1')
+  first = start(env, workdir, prepared_omniglot, *no_saves, '--config.train.num_steps=1000000')
   lock = os.path.join(workdir, workdir_lib.LOCK_NAME)
   assert wait_for(lambda: os.path.exists(lock), first), finish(first, workdir)[1][-3000:]
   began = time.time()
