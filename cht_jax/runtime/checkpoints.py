@@ -102,7 +102,10 @@ def root_cause(error: BaseException) -> str:
     if code:
       return f'{os.strerror(int(code.group(1)))} (errno {code.group(1)})'
   e = seen[-1]
-  return f'{type(e).__name__}: {" ".join(str(e).split())}'[:300]
+  # C++ source locations ('[external/gloo/.../pair.cc:538] ') name the library's code, not
+  # anything the user can act on, and read as an abort's noise in a one-line error.
+  message = re.sub(r'\[[^\]\s]+\.(?:cc|cpp|h):\d+\]\s*', '', str(e))
+  return f'{type(e).__name__}: {" ".join(message.split())}'[:300]
 
 
 def check_fits(manager, step: int, abstract, config) -> None:
